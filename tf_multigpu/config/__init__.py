@@ -1,0 +1,5 @@
+"""Run configuration: flag definitions and the frozen, validated Config built from them."""
+
+from tf_multigpu.config.config import Config, RESULT_FIELDS, check_resumable, load_config
+
+__all__ = ["Config", "RESULT_FIELDS", "check_resumable", "load_config"]

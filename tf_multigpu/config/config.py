@@ -1,0 +1,130 @@
+"""The frozen run configuration, validated once and written to the run directory.
+
+Everything below the entry point reads a Config, never flags. Validation that needs no
+devices happens in `Config.validate`; the checks that depend on the devices found (global
+batch vs replicas) happen in `Config.check_devices`, called once the devices are known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+from tf_multigpu.errors import UsageError
+
+STRATEGIES = ("single", "data")
+ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "one_device")
+LR_SCHEDULES = ("constant", "step", "cosine")
+
+# The fields that decide what a run computes. Resuming a run directory with any of these
+# changed would silently mix two experiments, so it is refused. Steps, epochs, cadence and
+# the device layout may change between runs (a checkpoint restores onto any strategy).
+RESULT_FIELDS = (
+    "dataset", "image_size", "model", "batch_size", "learning_rate", "lr_schedule",
+    "warmup_steps", "momentum", "weight_decay", "seed",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One training run. `batch_size` is the GLOBAL batch, split evenly over replicas."""
+
+    run_dir: str
+    strategy: str = "data"
+    num_devices: int = 0          # 0: all devices found
+    cpu_devices: int = 0          # 0: GPUs if any, else 2 logical CPU devices
+    all_reduce: str = "auto"
+    dataset: str = "digits"
+    data_dir: Optional[str] = None
+    image_size: int = 0           # 0: the data set's own size
+    model: str = "small_convnet"
+    batch_size: int = 64
+    steps: Optional[int] = None   # None: derived from epochs
+    epochs: float = 15.0
+    learning_rate: float = 0.05
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 0
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    seed: int = 0
+    checkpoint_every: int = 500
+    eval_every: int = 0           # 0: once per epoch
+    log_every: int = 10
+
+    def validate(self) -> "Config":
+        """Checks every value that needs no devices; returns self for chaining."""
+        if not self.run_dir:
+            raise UsageError("--run_dir is required: give a directory for checkpoints, logs and the export")
+        _one_of("strategy", self.strategy, STRATEGIES)
+        _one_of("all_reduce", self.all_reduce, ALL_REDUCE)
+        _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _at_least("batch_size", self.batch_size, 1)
+        _at_least("num_devices", self.num_devices, 0)
+        _at_least("cpu_devices", self.cpu_devices, 0)
+        _at_least("image_size", self.image_size, 0)
+        _at_least("warmup_steps", self.warmup_steps, 0)
+        _at_least("checkpoint_every", self.checkpoint_every, 1)
+        _at_least("eval_every", self.eval_every, 0)
+        _at_least("log_every", self.log_every, 1)
+        if self.steps is not None:
+            _at_least("steps", self.steps, 0)
+        if not self.epochs > 0:
+            raise UsageError(f"--epochs={self.epochs} must be > 0 (or give --steps)")
+        if not self.learning_rate > 0:
+            raise UsageError(f"--learning_rate={self.learning_rate} must be > 0, e.g. --learning_rate=0.01")
+        if not 0 <= self.momentum < 1:
+            raise UsageError(f"--momentum={self.momentum} must be in [0, 1), e.g. --momentum=0.9")
+        if self.weight_decay < 0:
+            raise UsageError(f"--weight_decay={self.weight_decay} must be >= 0, e.g. --weight_decay=5e-4")
+        if self.strategy == "single" and self.num_devices > 1:
+            raise UsageError(f"--strategy=single uses one device but --num_devices={self.num_devices}: "
+                             "drop --num_devices or use --strategy=data")
+        if self.data_dir is not None and not os.access(self.data_dir, os.R_OK | os.X_OK):
+            raise UsageError(f"--data_dir={self.data_dir} is not a readable directory: "
+                             "point it at the TFDS data directory (e.g. ~/tensorflow_datasets)")
+        return self
+
+    def check_devices(self, num_replicas: int) -> None:
+        """Checks what depends on the number of data-parallel replicas."""
+        if self.batch_size % num_replicas:
+            lower = self.batch_size - self.batch_size % num_replicas
+            raise UsageError(
+                f"--batch_size={self.batch_size} (the global batch) does not divide by the "
+                f"{num_replicas} replicas: use a multiple of {num_replicas}, e.g. --batch_size={lower or num_replicas}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json() + "\n")
+
+
+def load_config(path: str) -> Config:
+    """Reads a config written by `Config.write`."""
+    with open(path) as f:
+        values = json.load(f)
+    known = {f.name for f in dataclasses.fields(Config)}
+    return Config(**{k: v for k, v in values.items() if k in known})
+
+
+def check_resumable(previous: Config, current: Config) -> None:
+    """Refuses to continue a run directory whose run computed something else."""
+    changed = [f"--{name}: {getattr(previous, name)!r} -> {getattr(current, name)!r}"
+               for name in RESULT_FIELDS if getattr(previous, name) != getattr(current, name)]
+    if changed:
+        raise UsageError(
+            f"--run_dir={current.run_dir} holds a run with other settings ({'; '.join(changed)}): "
+            "use a new --run_dir, or the same flags to resume it")
+
+
+def _one_of(name, value, allowed):
+    if value not in allowed:
+        raise UsageError(f"unknown --{name}={value!r}: choose one of {', '.join(allowed)}")
+
+
+def _at_least(name, value, low):
+    if value < low:
+        raise UsageError(f"--{name}={value} must be >= {low}")

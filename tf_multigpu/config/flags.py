@@ -1,0 +1,55 @@
+"""Every command-line flag of tf-multigpu-train, defined in one place.
+
+Flags are named for what a user means; `--batch_size` is the GLOBAL batch. The defaults
+train the small ConvNet on the embedded digits with data parallelism. `config_from_flags`
+turns the parsed flags into the frozen Config; nothing else reads FLAGS.
+"""
+
+from absl import flags
+
+from tf_multigpu.config.config import ALL_REDUCE, LR_SCHEDULES, STRATEGIES, Config
+
+_D = Config  # defaults live on the dataclass; flags only restate them
+
+flags.DEFINE_string("run_dir", None, "Directory for everything a run writes: config, checkpoints, "
+                    "TensorBoard logs, summary.json and export/. Rerunning the same command resumes.")
+flags.DEFINE_string("strategy", _D.strategy, f"How to use the devices: one of {', '.join(STRATEGIES)}. "
+                    "single: one device; data: MirroredStrategy data parallelism over all devices.")
+flags.DEFINE_integer("num_devices", _D.num_devices, "Use only the first N devices (0: all found).")
+flags.DEFINE_integer("cpu_devices", _D.cpu_devices,
+                     "Split the CPU into N logical devices and use them instead of GPUs. For testing "
+                     "every strategy on any machine, not for speed. 0: GPUs if any, else 2 logical CPUs.")
+flags.DEFINE_string("all_reduce", _D.all_reduce, f"Cross-device gradient reduction for --strategy=data: "
+                    f"one of {', '.join(ALL_REDUCE)} (auto: TensorFlow's choice; nccl needs GPUs).")
+flags.DEFINE_string("dataset", _D.dataset, "digits (scikit-learn's 1,797 handwritten digits, no "
+                    "download), synthetic (random ImageNet-shaped images, for benchmarks), or "
+                    "tfds:NAME (a TFDS image classification set prepared under --data_dir).")
+flags.DEFINE_string("data_dir", _D.data_dir, "TFDS data directory for --dataset=tfds:NAME.")
+flags.DEFINE_integer("image_size", _D.image_size, "Resize images to SIZE x SIZE (0: the data set's own "
+                     "size; synthetic: 224).")
+flags.DEFINE_string("model", _D.model, "alexnet, small_convnet, or package.module:function returning a "
+                    "Keras model from (input_shape, num_classes).")
+flags.DEFINE_integer("batch_size", _D.batch_size, "GLOBAL batch size, split evenly over the replicas.")
+flags.DEFINE_integer("steps", _D.steps, "Training steps in all (overrides --epochs). 0: build, export "
+                     "the initial model and exit.")
+flags.DEFINE_float("epochs", _D.epochs, "Training epochs, when --steps is not given.")
+flags.DEFINE_float("learning_rate", _D.learning_rate, "Peak learning rate of SGD.")
+flags.DEFINE_string("lr_schedule", _D.lr_schedule, f"One of {', '.join(LR_SCHEDULES)}. step: divide by "
+                    "10 at 50% and 75% of the steps (the paper's manual schedule, automated).")
+flags.DEFINE_integer("warmup_steps", _D.warmup_steps, "Linear learning-rate warm-up steps.")
+flags.DEFINE_float("momentum", _D.momentum, "SGD momentum.")
+flags.DEFINE_float("weight_decay", _D.weight_decay, "L2 weight decay on kernels, added to the gradient "
+                   "before momentum as in Krizhevsky et al. 2012.")
+flags.DEFINE_integer("seed", _D.seed, "Seed for initial weights and batch order; the same seed gives the "
+                     "same weights and batches under every strategy and device count.")
+flags.DEFINE_integer("checkpoint_every", _D.checkpoint_every, "Save a checkpoint every N steps (and at the end).")
+flags.DEFINE_integer("eval_every", _D.eval_every, "Evaluate on the test split every N steps (0: each epoch).")
+flags.DEFINE_integer("log_every", _D.log_every, "Update the progress bar and TensorBoard every N steps.")
+
+FLAGS = flags.FLAGS
+
+
+def config_from_flags(flag_values=FLAGS) -> Config:
+    """The validated Config for the parsed flags."""
+    names = [f.name for f in Config.__dataclass_fields__.values()]
+    return Config(**{name: flag_values[name].value for name in names}).validate()

@@ -1,0 +1,80 @@
+"""Seeded, resumable input pipelines that give every strategy the same global batches.
+
+The element stream depends only on (seed, step): epoch e is the train split cut into blocks
+of SHUFFLE_BLOCK records, each block permuted by a stateless RNG keyed by (seed, e, block),
+then cut to whole global batches. (A stateless permutation, unlike `Dataset.shuffle`, does
+not depend on TensorFlow's global seed or on how many epochs came before.) Small sets are
+one block, i.e. fully shuffled each epoch. A run resumed at step K rebuilds the
+stream from epoch K // steps_per_epoch and skips the records already used in it, before any
+decoding, so it sees exactly the batches an uninterrupted run would.
+
+Data parallelism reads the stream in per-replica pieces: MirroredStrategy hands consecutive
+elements of the per-replica dataset to replicas 0..N-1 in turn, so replica i of a step gets
+rows [i*B/N, (i+1)*B/N) of the global batch that one device would see.
+"""
+
+import tensorflow as tf
+
+from tf_multigpu.data.source import ImageSource
+from tf_multigpu.errors import UsageError
+
+AUTOTUNE = tf.data.AUTOTUNE
+SHUFFLE_BLOCK = 10_000   # records, not images: undecoded bytes or indices
+_EPOCH_STRIDE = 1_000_003
+_MAX_EPOCHS = 1 << 40
+
+
+def steps_per_epoch(source: ImageSource, global_batch: int) -> int:
+    """Whole global batches per epoch (the ragged tail of each epoch is dropped)."""
+    if global_batch > source.num_train:
+        raise UsageError(f"--batch_size={global_batch} is larger than the {source.num_train} training "
+                         f"images of {source.name}: use --batch_size<={source.num_train}")
+    return source.num_train // global_batch
+
+
+def train_dataset(source: ImageSource, *, seed: int, global_batch: int, batch_size: int,
+                  start_step: int = 0) -> tf.data.Dataset:
+    """Batches of `batch_size` (a replica's share, or the whole global batch) from `start_step`.
+
+    Consecutive `global_batch / batch_size` batches make up one step's global batch.
+    """
+    per_epoch = steps_per_epoch(source, global_batch)
+    start_epoch, step_in_epoch = divmod(start_step, per_epoch)
+
+    def permute(block_index, block, e):
+        records, labels = block
+        key = tf.stack([tf.cast(seed, tf.int64), e * _EPOCH_STRIDE + block_index])
+        order = tf.random.experimental.stateless_shuffle(tf.range(tf.shape(labels)[0]), seed=key)
+        return tf.gather(records, order), tf.gather(labels, order)
+
+    def epoch(e):
+        blocks = source.train_records().batch(SHUFFLE_BLOCK).enumerate()
+        shuffled = blocks.map(lambda i, block: permute(i, block, e)).unbatch()
+        return shuffled.take(per_epoch * global_batch)
+
+    ds = tf.data.Dataset.range(start_epoch, _MAX_EPOCHS).flat_map(epoch)
+    ds = ds.skip(step_in_epoch * global_batch)           # before decoding: resume is cheap
+    return _decode_and_batch(source, ds, batch_size)
+
+
+def test_dataset(source: ImageSource, *, global_batch: int, batch_size: int) -> tf.data.Dataset:
+    """The test split as (images, labels, weights), padded to whole global batches.
+
+    Padding rows carry weight 0, so every strategy evaluates on full, equal batches (DTensor
+    needs static shapes) and the weighted sums count each real test image exactly once.
+    """
+    pad = -source.num_test % global_batch
+    real = source.test_records().map(lambda r, y: (r, tf.cast(y, tf.int32), 1.0))
+    blank = source.test_records().take(1).map(lambda r, y: (r, tf.zeros_like(tf.cast(y, tf.int32)), 0.0))
+    ds = real.concatenate(blank.repeat(pad))
+    ds = ds.map(lambda r, y, w: (source.decode(r), y, w), num_parallel_calls=AUTOTUNE)
+    ds = ds.batch(batch_size, drop_remainder=True)
+    return ds.map(lambda x, y, w: (source.preprocess(x), y, w)).prefetch(AUTOTUNE)
+
+
+def _decode_and_batch(source, ds, batch_size):
+    ds = ds.map(lambda r, y: (source.decode(r), tf.cast(y, tf.int32)), num_parallel_calls=AUTOTUNE)
+    ds = ds.batch(batch_size, drop_remainder=True)
+    # Preprocess whole batches: one vectorised op instead of one per image.
+    ds = ds.map(lambda x, y: (source.preprocess(x), y), num_parallel_calls=AUTOTUNE)
+    return ds.prefetch(AUTOTUNE)

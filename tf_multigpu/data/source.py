@@ -1,0 +1,36 @@
+"""What every data set provides: records in a fixed order, a decoder and a preprocessor.
+
+A source's records are cheap (undecoded) elements in a fixed order; the pipeline shuffles,
+skips and batches them before `decode` runs, so resuming at step K skips K batches without
+decoding them. `preprocess` turns a batch of stored pixels into the model's float input; the
+export embeds the same function, so a client sends pixels as the data set stores them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSource:
+    """An image classification data set with a train and a test split."""
+
+    name: str
+    image_shape: tuple            # (height, width, channels) after decode
+    num_classes: int
+    class_names: tuple
+    num_train: int
+    num_test: int
+    pixel_dtype: tf.DType         # how the data set stores a pixel (uint8 for all ours)
+    pixel_max: float              # the largest stored pixel value (16 for digits, 255 for photos)
+    train_records: Callable[[], tf.data.Dataset]   # (record, label) in a fixed order
+    test_records: Callable[[], tf.data.Dataset]
+    decode: Callable = lambda record: record        # record -> image of image_shape, pixel_dtype
+
+    def preprocess(self, images: tf.Tensor) -> tf.Tensor:
+        """Stored pixels -> float32 in [-1, 1], the model's input."""
+        scale = 2.0 / self.pixel_max
+        return tf.cast(images, tf.float32) * scale - 1.0

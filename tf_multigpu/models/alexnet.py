@@ -1,0 +1,35 @@
+"""AlexNet as trained in the paper (Krizhevsky et al. 2012), one tower.
+
+conv 96 11x11/4, max pool 3/2, conv 256 5x5, max pool 3/2, conv 384, 384, 256 3x3, max pool
+3/2, FC 4096, 4096, classes, with dropout 0.5 before each hidden FC layer. The original split
+into two towers (grouped conv2/4/5) was a memory workaround; we keep one tower, as the paper
+being reproduced does, so every layer is a full convolution that our strategies may split.
+Local response normalisation is left out: it cannot be split across channel-sharded devices
+and later AlexNet variants (e.g. torchvision's) drop it with no loss of accuracy. Conv1 pads
+by 2 so a 224x224 input gives the paper's 55x55x96 map (a 227 input without padding would too).
+"""
+
+import keras
+from keras import layers
+
+
+def alexnet(input_shape, num_classes, dropout=0.5):
+    """The 5 conv + 3 FC AlexNet; logits out. 224x224x3 input, 1000 classes: 62,378,344 params."""
+    return keras.Sequential([
+        keras.Input(shape=input_shape, name="images"),
+        layers.ZeroPadding2D(2, name="pad1"),
+        layers.Conv2D(96, 11, strides=4, activation="relu", name="conv1"),
+        layers.MaxPooling2D(3, strides=2, name="pool1"),
+        layers.Conv2D(256, 5, padding="same", activation="relu", name="conv2"),
+        layers.MaxPooling2D(3, strides=2, name="pool2"),
+        layers.Conv2D(384, 3, padding="same", activation="relu", name="conv3"),
+        layers.Conv2D(384, 3, padding="same", activation="relu", name="conv4"),
+        layers.Conv2D(256, 3, padding="same", activation="relu", name="conv5"),
+        layers.MaxPooling2D(3, strides=2, name="pool5"),
+        layers.Flatten(name="flatten"),
+        layers.Dropout(dropout, name="drop6"),
+        layers.Dense(4096, activation="relu", name="fc6"),
+        layers.Dropout(dropout, name="drop7"),
+        layers.Dense(4096, activation="relu", name="fc7"),
+        layers.Dense(num_classes, name="logits"),
+    ], name="alexnet")

@@ -1,0 +1,80 @@
+"""`--strategy=single` and `--strategy=data` on tf.distribute.
+
+Data parallelism is MirroredStrategy: every device holds the whole model, takes its share of
+the global batch, and the gradients are summed across devices (the Keras optimizer does the
+all-reduce in replica context) before the same update is applied everywhere. One device is
+OneDeviceStrategy, so both run the very same step and loop code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import tensorflow as tf
+
+from tf_multigpu.errors import UsageError
+
+_SUM = tf.distribute.ReduceOp.SUM
+
+
+def cross_device_ops(name: str, devices) -> tf.distribute.CrossDeviceOps | None:
+    """The all-reduce implementation for --all_reduce (None: TensorFlow's own choice)."""
+    on_gpus = all("GPU" in d.upper() for d in devices)
+    if name in ("nccl", "hierarchical_copy") and not on_gpus:
+        raise UsageError(f"--all_reduce={name} needs GPUs but the devices are {', '.join(devices)}: "
+                         "use --all_reduce=auto or one_device")
+    if name == "auto":
+        return None
+    return {
+        "nccl": tf.distribute.NcclAllReduce,
+        "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce,
+        "one_device": tf.distribute.ReductionToOneDevice,
+    }[name]()
+
+
+class DistributeParallelism:
+    """Runs a single-replica step function on every replica of a tf.distribute strategy."""
+
+    def __init__(self, strategy: tf.distribute.Strategy, devices, global_batch: int, name: str):
+        self.strategy = strategy
+        self.devices = list(devices)
+        self.name = name
+        self.global_batch = global_batch
+        self.num_replicas = strategy.num_replicas_in_sync
+
+    @classmethod
+    def create(cls, name: str, devices, global_batch: int, all_reduce: str = "auto"):
+        if name == "single":
+            return cls(tf.distribute.OneDeviceStrategy(devices[0]), devices[:1], global_batch, name)
+        strategy = tf.distribute.MirroredStrategy(
+            devices=list(devices), cross_device_ops=cross_device_ops(all_reduce, devices))
+        return cls(strategy, devices, global_batch, name)
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Variables (model, optimizer slots) created here are mirrored on every device."""
+        return self.strategy.scope()
+
+    @property
+    def replica_batch(self) -> int:
+        return self.global_batch // self.num_replicas
+
+    def distribute(self, make_dataset: Callable[[int], tf.data.Dataset]):
+        """A distributed dataset from `make_dataset(batch_size)` giving per-replica batches."""
+        return self.strategy.distribute_datasets_from_function(
+            lambda context: make_dataset(self.replica_batch))
+
+    def compile(self, replica_fn: Callable[..., dict]) -> Callable:
+        """A tf.function that takes the next batch from an iterator, runs `replica_fn` on every
+        replica and returns its dict of scalars summed over the replicas."""
+
+        @tf.function
+        def run(iterator):
+            per_replica = self.strategy.run(replica_fn, args=next(iterator))
+            return {k: self.strategy.reduce(_SUM, v, axis=None) for k, v in per_replica.items()}
+
+        return run
+
+    def to_numpy(self, variable) -> "numpy.ndarray":
+        """The value of a (mirrored) variable, as one array."""
+        return variable.numpy()

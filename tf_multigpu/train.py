@@ -1,0 +1,55 @@
+"""tf-multigpu-train: the command-line entry point (also `python -m tf_multigpu.train`).
+
+Intentionally short: parse flags, build one validated config, configure the devices (before
+TensorFlow initialises), and call the training loop. Bad input prints one line and exits 2.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up chatter off the console
+
+from absl import app, flags, logging  # noqa: E402
+
+from tf_multigpu.config import flags as run_flags  # noqa: E402  (defines the flags)
+from tf_multigpu.errors import UsageError  # noqa: E402
+
+USAGE_ERROR = 2
+
+
+def main(argv):
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+    logging.set_verbosity(logging.WARNING)   # TF's own INFO lines would bury the progress bar
+    try:
+        cfg = run_flags.config_from_flags()
+        from tf_multigpu.parallel import configure_devices   # imports TensorFlow
+        from tf_multigpu.training.loop import train
+        devices = configure_devices(1 if cfg.strategy == "single" else cfg.num_devices, cfg.cpu_devices)
+        summary = train(cfg, devices)
+    except UsageError as e:
+        _fail(str(e))
+    print(json.dumps(summary, sort_keys=True), flush=True)
+
+
+def _parse_flags(argv):
+    """absl's parser, but a bad flag is a usage error: one line, exit status 2."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e} (see --help)")
+
+
+def _fail(message: str):
+    print(f"tf-multigpu-train: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(USAGE_ERROR)
+
+
+def run():
+    """Console-script entry point."""
+    app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    run()

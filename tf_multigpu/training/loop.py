@@ -1,0 +1,133 @@
+"""The training loop: when things happen (log, evaluate, checkpoint, export), for every strategy.
+
+It builds the model and optimizer inside the parallelism's scope, feeds it the seeded
+resumable pipeline, and drives the compiled step. The same loop runs single-device, data
+parallel and (through another parallelism object) model and hybrid parallel training.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import keras
+import tensorflow as tf
+
+from tf_multigpu.config import Config
+from tf_multigpu.data import load_source
+from tf_multigpu.data.pipeline import steps_per_epoch, test_dataset, train_dataset
+from tf_multigpu.export import export_saved_model
+from tf_multigpu.models import build_model
+from tf_multigpu.parallel import make_parallelism
+from tf_multigpu.training import run_dir
+from tf_multigpu.training.optimizer import MomentumSGD, learning_rate_schedule
+from tf_multigpu.training.step import make_eval_step, make_train_step
+
+
+def train(cfg: Config, devices: list[str]) -> dict:
+    """Trains as `cfg` says on `devices`; writes everything under cfg.run_dir; returns the summary."""
+    started = time.perf_counter()
+    paths = run_dir.check_previous_run(cfg)
+    source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size)
+    par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce)
+    cfg.check_devices(par.num_replicas)
+    per_epoch = steps_per_epoch(source, cfg.batch_size)
+    total_steps = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * per_epoch)
+
+    keras.utils.set_random_seed(cfg.seed)   # same initial weights under every strategy
+    with par.scope():
+        model = build_model(cfg.model, source.image_shape, source.num_classes)
+        optimizer = MomentumSGD(
+            learning_rate_schedule(cfg.learning_rate, cfg.lr_schedule, total_steps, cfg.warmup_steps),
+            momentum=cfg.momentum, l2=cfg.weight_decay)
+        optimizer.build(model.trainable_variables)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    manager = run_dir.restore_latest(checkpoint, paths)
+    start = int(optimizer.iterations.numpy())
+
+    # Input is valid and any earlier state restored: from here on the run writes.
+    tf.io.gfile.makedirs(paths.root)
+    cfg.write(paths.config)
+    print(f"{par.name} parallelism on {len(par.devices)} device(s): {', '.join(par.devices)}; "
+          f"{source.name} {source.image_shape}, {cfg.model} ({model.count_params():,} parameters), "
+          f"global batch {cfg.batch_size}, steps {start}..{total_steps}", flush=True)
+
+    train_iter = iter(par.distribute(lambda b: train_dataset(
+        source, seed=cfg.seed, global_batch=cfg.batch_size, batch_size=b, start_step=start)))
+    test_data = par.distribute(lambda b: test_dataset(source, global_batch=cfg.batch_size, batch_size=b))
+    test_batches = math.ceil(source.num_test / cfg.batch_size)
+    train_fn = par.compile(make_train_step(model, optimizer, cfg.batch_size))
+    eval_fn = par.compile(make_eval_step(model))
+
+    def evaluate():
+        it = iter(test_data)
+        sums = _add([eval_fn(it) for _ in range(test_batches)])
+        return {"test_loss": sums["loss_sum"] / sums["count"], "test_accuracy": sums["correct"] / sums["count"]}
+
+    writer = tf.summary.create_file_writer(paths.tensorboard)
+    bar = keras.utils.Progbar(total_steps, interval=0.05 if sys.stdout.isatty() else 10.0,
+                              stateful_metrics=["loss", "accuracy", "test_accuracy", "examples/s"])
+    bar.update(start)
+    window, window_start, train_metrics, test_metrics = [], time.perf_counter(), {}, {}
+    for step in range(start + 1, total_steps + 1):
+        window.append(train_fn(train_iter))
+        shown = []
+        if step % cfg.log_every == 0 or step == total_steps:
+            sums, seconds = _add(window), time.perf_counter() - window_start
+            train_metrics = {
+                "loss": sums["loss_sum"] / sums["count"],
+                "accuracy": sums["correct"] / sums["count"],
+                "examples_per_sec": sums["count"] / seconds,
+                "step_time_s": seconds / len(window),
+                "learning_rate": float(optimizer.learning_rate.numpy()),
+            }
+            _write_scalars(writer, "train", step, train_metrics)
+            shown += [("loss", train_metrics["loss"]), ("accuracy", train_metrics["accuracy"]),
+                      ("examples/s", train_metrics["examples_per_sec"])]
+            window = []
+        if step % (cfg.eval_every or per_epoch) == 0 or step == total_steps:
+            test_metrics = evaluate()
+            _write_scalars(writer, "test", step, test_metrics)
+            shown.append(("test_accuracy", test_metrics["test_accuracy"]))
+        if step % cfg.checkpoint_every == 0 or step == total_steps:
+            manager.save(checkpoint_number=step)
+        if shown:
+            bar.update(step, shown)
+            window_start = time.perf_counter()   # evaluation and checkpoints are not training time
+    if not test_metrics:   # --steps=0, or resumed at the end: still report the model's accuracy
+        test_metrics = evaluate()
+    writer.flush()
+
+    export_dir = export_saved_model(
+        _plain_copy(cfg, source, model, par), source, paths.export,
+        metadata={"config": cfg.__dict__, "class_names": list(source.class_names),
+                  "input_shape": list(source.image_shape), "pixel_dtype": source.pixel_dtype.name,
+                  "metrics": test_metrics, "step": total_steps})
+    summary = {
+        "step": total_steps, "strategy": par.name, "devices": par.devices,
+        "model": cfg.model, "dataset": source.name, "global_batch": cfg.batch_size,
+        **{k: train_metrics.get(k) for k in ("loss", "accuracy", "examples_per_sec", "step_time_s")},
+        **test_metrics, "wall_time_s": time.perf_counter() - started, "export_dir": export_dir,
+    }
+    run_dir.write_json(paths.summary, summary)
+    return summary
+
+
+def _plain_copy(cfg, source, model, par):
+    """A fresh single-device model holding the trained values (what we export)."""
+    plain = build_model(cfg.model, source.image_shape, source.num_classes)
+    plain.set_weights([par.to_numpy(v) for v in model.weights])
+    return plain
+
+
+def _add(results: list[dict]) -> dict:
+    """Sums a list of {name: scalar tensor} into {name: float}, with one host sync."""
+    stacked = {k: tf.add_n([r[k] for r in results]) for k in results[0]}
+    return {k: float(v.numpy()) for k, v in stacked.items()}
+
+
+def _write_scalars(writer, prefix, step, values):
+    with writer.as_default(step=step):
+        for name, value in values.items():
+            tf.summary.scalar(f"{prefix}/{name}", value)

@@ -1,0 +1,81 @@
+"""The run directory: where a run's files live, and resuming from what an earlier run left.
+
+Layout under --run_dir: config.json, checkpoints/, tensorboard/, summary.json, export/.
+Nothing here deletes or overwrites an earlier run's results before the new run is known to
+be valid: a config that computes something else, or an unreadable checkpoint, is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import tensorflow as tf
+
+from tf_multigpu.config import Config, check_resumable, load_config
+from tf_multigpu.errors import UsageError
+
+KEEP_CHECKPOINTS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    root: str
+
+    @property
+    def config(self):
+        return os.path.join(self.root, "config.json")
+
+    @property
+    def checkpoints(self):
+        return os.path.join(self.root, "checkpoints")
+
+    @property
+    def tensorboard(self):
+        return os.path.join(self.root, "tensorboard")
+
+    @property
+    def summary(self):
+        return os.path.join(self.root, "summary.json")
+
+    @property
+    def export(self):
+        return os.path.join(self.root, "export")
+
+
+def check_previous_run(cfg: Config) -> RunPaths:
+    """Refuses a run directory that is unusable or holds a different run; writes nothing."""
+    paths = RunPaths(os.path.abspath(cfg.run_dir))
+    if os.path.exists(paths.root) and not os.path.isdir(paths.root):
+        raise UsageError(f"--run_dir={cfg.run_dir} is a file, not a directory: give a directory path")
+    if os.path.exists(paths.config):
+        try:
+            previous = load_config(paths.config)
+        except (OSError, ValueError, TypeError) as e:
+            raise UsageError(f"{paths.config} is unreadable ({e}): use a new --run_dir") from None
+        check_resumable(previous, cfg)
+    return paths
+
+
+def restore_latest(checkpoint: tf.train.Checkpoint, paths: RunPaths) -> tf.train.CheckpointManager:
+    """A CheckpointManager for the run; restores its latest checkpoint if there is one."""
+    manager = tf.train.CheckpointManager(checkpoint, paths.checkpoints, max_to_keep=KEEP_CHECKPOINTS)
+    latest = manager.latest_checkpoint
+    if latest:
+        try:
+            checkpoint.restore(latest).assert_existing_objects_matched()
+        except (tf.errors.OpError, AssertionError, ValueError) as e:
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"checkpoint {latest} cannot be restored ({first_line[:200]}): "
+                             "move it away to resume from an earlier one, or use a new --run_dir") from None
+    return manager
+
+
+def write_json(path: str, values: dict) -> None:
+    """Writes `values` atomically (a crash leaves the previous file, never half of one)."""
+    staging = f"{path}.tmp-{os.getpid()}"
+    with open(staging, "w") as f:
+        json.dump(values, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(staging, path)

@@ -1,0 +1,47 @@
+"""What one step computes, seen from one replica: small pure functions returning scalars.
+
+The loop wraps these in the parallelism (strategy.run, or a DTensor function over the mesh)
+and sums the returned scalars over replicas; means are formed from sums and counts on the host.
+"""
+
+import keras
+import tensorflow as tf
+
+
+def make_train_step(model, optimizer, global_batch: int):
+    """(images, labels) -> {loss_sum, correct, count}, after one SGD update."""
+
+    def train_step(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+            # Average over the GLOBAL batch, not this replica's share: the all-reduce sums the
+            # replicas' gradients, so each must be its part of the global mean. The update then
+            # equals one device's on the whole batch, whatever the number of replicas.
+            loss = tf.reduce_sum(per_example) / global_batch
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return _sums(per_example, logits, labels, tf.ones_like(per_example))
+
+    return train_step
+
+
+def make_eval_step(model):
+    """(images, labels, weights) -> {loss_sum, correct, count} over rows with weight 1."""
+
+    def eval_step(images, labels, weights):
+        logits = model(images, training=False)
+        per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+        return _sums(per_example, logits, labels, weights)
+
+    return eval_step
+
+
+def _sums(per_example, logits, labels, weights):
+    weights = tf.cast(weights, tf.float32)
+    hits = tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), labels), tf.float32)
+    return {
+        "loss_sum": tf.reduce_sum(per_example * weights),
+        "correct": tf.reduce_sum(hits * weights),
+        "count": tf.reduce_sum(weights),
+    }
