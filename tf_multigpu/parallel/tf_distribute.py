@@ -33,6 +33,17 @@ def cross_device_ops(name: str, devices) -> tf.distribute.CrossDeviceOps | None:
     }[name]()
 
 
+def _new_collective_key_range():
+    """Gives the next MirroredStrategy in this process collective keys of its own.
+
+    Every MirroredStrategy numbers its collective groups from 1, so a second strategy over
+    another device set in the same process (benchmarks, tests) reuses group key 1 for a group
+    of another size and fails: "Device ... is joining a group with size4, but that group has
+    size 2 (group_key=1)". TensorFlow's own tests shift this (private) base the same way.
+    """
+    tf.distribute.MirroredStrategy._collective_key_base += 100_000
+
+
 class DistributeParallelism:
     """Runs a single-replica step function on every replica of a tf.distribute strategy."""
 
@@ -47,6 +58,7 @@ class DistributeParallelism:
     def create(cls, name: str, devices, global_batch: int, all_reduce: str = "auto"):
         if name == "single":
             return cls(tf.distribute.OneDeviceStrategy(devices[0]), devices[:1], global_batch, name)
+        _new_collective_key_range()
         strategy = tf.distribute.MirroredStrategy(
             devices=list(devices), cross_device_ops=cross_device_ops(all_reduce, devices))
         return cls(strategy, devices, global_batch, name)

@@ -35,14 +35,12 @@ def train(cfg: Config, devices: list[str]) -> dict:
     per_epoch = steps_per_epoch(source, cfg.batch_size)
     total_steps = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * per_epoch)
 
-    keras.utils.set_random_seed(cfg.seed)   # same initial weights under every strategy
-    with par.scope():
-        model = build_model(cfg.model, source.image_shape, source.num_classes)
-        optimizer = MomentumSGD(
-            learning_rate_schedule(cfg.learning_rate, cfg.lr_schedule, total_steps, cfg.warmup_steps),
-            momentum=cfg.momentum, l2=cfg.weight_decay)
-        optimizer.build(model.trainable_variables)
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    model, optimizer = build_model_and_optimizer(cfg, par, source, total_steps)
+    # model.variables holds, besides the weights, the dropout RNG states; saving them makes a
+    # resumed run draw the same masks as an uninterrupted one.
+    weight_ids = {id(w) for w in model.weights}
+    rng_states = [v for v in model.variables if id(v) not in weight_ids]
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, rng_states=rng_states)
     manager = run_dir.restore_latest(checkpoint, paths)
     start = int(optimizer.iterations.numpy())
 
@@ -85,7 +83,8 @@ def train(cfg: Config, devices: list[str]) -> dict:
             _write_scalars(writer, "train", step, train_metrics)
             shown += [("loss", train_metrics["loss"]), ("accuracy", train_metrics["accuracy"]),
                       ("examples/s", train_metrics["examples_per_sec"])]
-            window = []
+            window, window_start = [], time.perf_counter()
+        paused = time.perf_counter()   # evaluation and checkpoints do not count as training time
         if step % (cfg.eval_every or per_epoch) == 0 or step == total_steps:
             test_metrics = evaluate()
             _write_scalars(writer, "test", step, test_metrics)
@@ -94,7 +93,7 @@ def train(cfg: Config, devices: list[str]) -> dict:
             manager.save(checkpoint_number=step)
         if shown:
             bar.update(step, shown)
-            window_start = time.perf_counter()   # evaluation and checkpoints are not training time
+        window_start += time.perf_counter() - paused
     if not test_metrics:   # --steps=0, or resumed at the end: still report the model's accuracy
         test_metrics = evaluate()
     writer.flush()
@@ -112,6 +111,22 @@ def train(cfg: Config, devices: list[str]) -> dict:
     }
     run_dir.write_json(paths.summary, summary)
     return summary
+
+
+def build_model_and_optimizer(cfg: Config, par, source, total_steps: int, **model_kwargs):
+    """The model and its optimizer, created in the parallelism's scope from `cfg.seed`.
+
+    Seeding right before building gives the same initial weights under every strategy.
+    """
+    keras.utils.set_random_seed(cfg.seed)
+    with par.scope():
+        model = build_model(cfg.model, source.image_shape, source.num_classes, **model_kwargs)
+        optimizer = MomentumSGD(
+            learning_rate_schedule(cfg.learning_rate, cfg.lr_schedule, total_steps, cfg.warmup_steps),
+            momentum=cfg.momentum, l2=cfg.weight_decay)
+        # Build the slots now, inside the scope, so they are mirrored like their variables.
+        optimizer.build(model.trainable_variables)
+    return model, optimizer
 
 
 def _plain_copy(cfg, source, model, par):

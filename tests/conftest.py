@@ -1,0 +1,31 @@
+"""Test set-up: 8 logical CPU devices, made before anything initialises TensorFlow.
+
+Every multi-device test runs on these (the first N of them), so the suite needs no GPU.
+"""
+
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+NUM_TEST_DEVICES = 8
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_TEST_DEVICES)
+DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args, timeout=300, env=None):
+    """Runs `python -m tf_multigpu.train ARGS` in a fresh process; returns CompletedProcess."""
+    return subprocess.run([sys.executable, "-m", "tf_multigpu.train", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def devices():
+    return DEVICES

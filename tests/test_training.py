@@ -1,0 +1,96 @@
+"""The loop: outputs, exact resume, resuming on another strategy, checkpoint refusal."""
+
+import glob
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_multigpu.config import Config
+from tf_multigpu.errors import UsageError
+from tf_multigpu.training.loop import train
+
+
+def _checkpoint_values(run_dir):
+    path = tf.train.latest_checkpoint(os.path.join(run_dir, "checkpoints"))
+    reader = tf.train.load_checkpoint(path)
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH") and "save_counter" not in name}
+
+
+def _keep_only_checkpoint(run_dir, step):
+    """Leaves the run directory as a run killed right after checkpoint `step` would."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    for f in glob.glob(os.path.join(ckpt_dir, "ckpt-*")):
+        if not os.path.basename(f).startswith(f"ckpt-{step}."):
+            os.remove(f)
+    tf.compat.v1.train.update_checkpoint_state(ckpt_dir, os.path.join(ckpt_dir, f"ckpt-{step}"))
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return Config(run_dir=str(tmp_path / "run"), steps=8, checkpoint_every=4, log_every=2,
+                  eval_every=4, seed=1, batch_size=32)
+
+
+def test_outputs(cfg, devices):
+    summary = train(cfg, devices[:2])
+    root = cfg.run_dir
+    assert summary["step"] == 8 and summary["strategy"] == "data" and len(summary["devices"]) == 2
+    assert json.load(open(os.path.join(root, "summary.json")))["test_accuracy"] == summary["test_accuracy"]
+    assert json.load(open(os.path.join(root, "config.json")))["batch_size"] == 32
+    assert tf.train.latest_checkpoint(os.path.join(root, "checkpoints")).endswith("ckpt-8")
+    assert glob.glob(os.path.join(root, "tensorboard", "events.out.tfevents.*"))
+    assert os.path.exists(os.path.join(root, "export", "saved_model.pb"))
+    tags = set()
+    for event_file in glob.glob(os.path.join(root, "tensorboard", "events.*")):
+        for event in tf.compat.v1.train.summary_iterator(event_file):
+            tags |= {v.tag for v in event.summary.value}
+    assert {"train/loss", "train/accuracy", "train/learning_rate", "train/examples_per_sec",
+            "train/step_time_s", "test/test_accuracy"} <= tags
+
+
+def test_resume_ends_with_the_weights_of_an_uninterrupted_run(cfg, tmp_path, devices, capsys):
+    train(cfg, devices[:2])
+    whole = _checkpoint_values(cfg.run_dir)
+    resumed_dir = str(tmp_path / "resumed")
+    shutil.copytree(cfg.run_dir, resumed_dir)
+    _keep_only_checkpoint(resumed_dir, 4)
+    capsys.readouterr()
+    summary = train(Config(**{**cfg.__dict__, "run_dir": resumed_dir}), devices[:2])
+    assert "steps 4..8" in capsys.readouterr().out
+    resumed = _checkpoint_values(resumed_dir)
+    assert summary["step"] == 8 and whole.keys() == resumed.keys()
+    for name in whole:   # model, optimizer slots, iteration count, dropout RNG state
+        np.testing.assert_array_equal(whole[name], resumed[name], err_msg=name)
+
+
+def test_checkpoint_from_data_parallel_resumes_on_one_device(cfg, tmp_path, devices):
+    train(cfg, devices[:4])
+    whole = _checkpoint_values(cfg.run_dir)
+    _keep_only_checkpoint(cfg.run_dir, 4)
+    train(Config(**{**cfg.__dict__, "strategy": "single"}), devices[:1])
+    single = _checkpoint_values(cfg.run_dir)
+    for name in whole:
+        if "kernel" in name and "OPTIMIZER_SLOT" not in name:
+            np.testing.assert_allclose(single[name], whole[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_corrupt_checkpoint_is_refused_and_kept(cfg, devices):
+    train(Config(**{**cfg.__dict__, "steps": 4}), devices[:2])
+    data_file = glob.glob(os.path.join(cfg.run_dir, "checkpoints", "ckpt-4.data-*"))[0]
+    with open(data_file, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(UsageError, match="cannot be restored .*move it away"):
+        train(cfg, devices[:2])
+    assert os.path.getsize(data_file) == 100   # left for the user to inspect, not deleted
+
+
+def test_steps_zero_exports_the_initial_model(cfg, devices):
+    summary = train(Config(**{**cfg.__dict__, "steps": 0}), devices[:2])
+    assert summary["step"] == 0
+    assert 0.0 <= summary["test_accuracy"] < 0.5      # untrained
+    assert os.path.exists(os.path.join(cfg.run_dir, "export", "saved_model.pb"))
