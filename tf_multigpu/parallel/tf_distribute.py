@@ -77,13 +77,21 @@ class DistributeParallelism:
             lambda context: make_dataset(self.replica_batch))
 
     def compile(self, replica_fn: Callable[..., dict]) -> Callable:
-        """A tf.function that takes the next batch from an iterator, runs `replica_fn` on every
-        replica and returns its dict of scalars summed over the replicas."""
+        """A tf.function `run(iterator, num_steps)`: runs `replica_fn` on every replica for
+        `num_steps` batches of the iterator and returns its scalars summed over replicas and
+        steps. Several steps per call keep Python off the hot path, as Keras'
+        steps_per_execution and Orbit's steps_per_loop do."""
 
-        @tf.function
-        def run(iterator):
+        def one_step(iterator):
             per_replica = self.strategy.run(replica_fn, args=next(iterator))
             return {k: self.strategy.reduce(_SUM, v, axis=None) for k, v in per_replica.items()}
+
+        @tf.function
+        def run(iterator, num_steps):
+            totals = one_step(iterator)
+            for _ in tf.range(num_steps - 1):
+                totals = {k: v + new for (k, v), new in zip(totals.items(), one_step(iterator).values())}
+            return totals
 
         return run
 

@@ -18,7 +18,7 @@ from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.data.pipeline import steps_per_epoch, test_dataset, train_dataset
 from tf_multigpu.export import export_saved_model
-from tf_multigpu.models import build_model
+from tf_multigpu.models import build_model, get_factory
 from tf_multigpu.parallel import make_parallelism
 from tf_multigpu.training import run_dir
 from tf_multigpu.training.optimizer import MomentumSGD, learning_rate_schedule
@@ -28,11 +28,12 @@ from tf_multigpu.training.step import make_eval_step, make_train_step
 def train(cfg: Config, devices: list[str]) -> dict:
     """Trains as `cfg` says on `devices`; writes everything under cfg.run_dir; returns the summary."""
     started = time.perf_counter()
-    paths = run_dir.check_previous_run(cfg)
+    get_factory(cfg.model)   # an unknown model is reported before anything is built
     source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size)
     par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce)
     cfg.check_devices(par.num_replicas)
     per_epoch = steps_per_epoch(source, cfg.batch_size)
+    paths = run_dir.check_previous_run(cfg)
     total_steps = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * per_epoch)
 
     model, optimizer = build_model_and_optimizer(cfg, par, source, total_steps)
@@ -59,41 +60,42 @@ def train(cfg: Config, devices: list[str]) -> dict:
     eval_fn = par.compile(make_eval_step(model))
 
     def evaluate():
-        it = iter(test_data)
-        sums = _add([eval_fn(it) for _ in range(test_batches)])
+        sums = _floats(eval_fn(iter(test_data), tf.constant(test_batches)))
         return {"test_loss": sums["loss_sum"] / sums["count"], "test_accuracy": sums["correct"] / sums["count"]}
 
     writer = tf.summary.create_file_writer(paths.tensorboard)
     bar = keras.utils.Progbar(total_steps, interval=0.05 if sys.stdout.isatty() else 10.0,
                               stateful_metrics=["loss", "accuracy", "test_accuracy", "examples/s"])
     bar.update(start)
-    window, window_start, train_metrics, test_metrics = [], time.perf_counter(), {}, {}
-    for step in range(start + 1, total_steps + 1):
-        window.append(train_fn(train_iter))
-        shown = []
-        if step % cfg.log_every == 0 or step == total_steps:
-            sums, seconds = _add(window), time.perf_counter() - window_start
-            train_metrics = {
-                "loss": sums["loss_sum"] / sums["count"],
-                "accuracy": sums["correct"] / sums["count"],
-                "examples_per_sec": sums["count"] / seconds,
-                "step_time_s": seconds / len(window),
-                "learning_rate": float(optimizer.learning_rate.numpy()),
-            }
-            _write_scalars(writer, "train", step, train_metrics)
-            shown += [("loss", train_metrics["loss"]), ("accuracy", train_metrics["accuracy"]),
-                      ("examples/s", train_metrics["examples_per_sec"])]
-            window, window_start = [], time.perf_counter()
-        paused = time.perf_counter()   # evaluation and checkpoints do not count as training time
-        if step % (cfg.eval_every or per_epoch) == 0 or step == total_steps:
+    eval_every = cfg.eval_every or per_epoch
+    steady, train_metrics, test_metrics = Throughput(), {}, {}
+    step = start
+    while step < total_steps:
+        # Run up to the next log, evaluation, checkpoint or the end in one call.
+        window = min(_to_next(step, cfg.log_every), _to_next(step, eval_every),
+                     _to_next(step, cfg.checkpoint_every), total_steps - step)
+        window_start = time.perf_counter()
+        sums = _floats(train_fn(train_iter, tf.constant(window)))   # the sync point
+        seconds = time.perf_counter() - window_start
+        steady.add(sums["count"], seconds, window, warmup=step == start)
+        step += window
+        train_metrics = {
+            "loss": sums["loss_sum"] / sums["count"],
+            "accuracy": sums["correct"] / sums["count"],
+            "examples_per_sec": sums["count"] / seconds,
+            "step_time_s": seconds / window,
+            "learning_rate": float(optimizer.learning_rate.numpy()),
+        }
+        _write_scalars(writer, "train", step, train_metrics)
+        shown = [("loss", train_metrics["loss"]), ("accuracy", train_metrics["accuracy"]),
+                 ("examples/s", train_metrics["examples_per_sec"])]
+        if step % eval_every == 0 or step == total_steps:
             test_metrics = evaluate()
             _write_scalars(writer, "test", step, test_metrics)
             shown.append(("test_accuracy", test_metrics["test_accuracy"]))
         if step % cfg.checkpoint_every == 0 or step == total_steps:
             manager.save(checkpoint_number=step)
-        if shown:
-            bar.update(step, shown)
-        window_start += time.perf_counter() - paused
+        bar.update(step, shown)
     if not test_metrics:   # --steps=0, or resumed at the end: still report the model's accuracy
         test_metrics = evaluate()
     writer.flush()
@@ -106,7 +108,7 @@ def train(cfg: Config, devices: list[str]) -> dict:
     summary = {
         "step": total_steps, "strategy": par.name, "devices": par.devices,
         "model": cfg.model, "dataset": source.name, "global_batch": cfg.batch_size,
-        **{k: train_metrics.get(k) for k in ("loss", "accuracy", "examples_per_sec", "step_time_s")},
+        **{k: train_metrics.get(k) for k in ("loss", "accuracy")}, **steady.summary(),
         **test_metrics, "wall_time_s": time.perf_counter() - started, "export_dir": export_dir,
     }
     run_dir.write_json(paths.summary, summary)
@@ -136,10 +138,35 @@ def _plain_copy(cfg, source, model, par):
     return plain
 
 
-def _add(results: list[dict]) -> dict:
-    """Sums a list of {name: scalar tensor} into {name: float}, with one host sync."""
-    stacked = {k: tf.add_n([r[k] for r in results]) for k in results[0]}
-    return {k: float(v.numpy()) for k, v in stacked.items()}
+class Throughput:
+    """Examples/s and step time over many logging windows; the first window is warm-up."""
+
+    def __init__(self):
+        self.examples = self.seconds = self.steps = 0
+        self.first = None
+
+    def add(self, examples, seconds, steps, warmup=False):
+        if warmup:
+            self.first = (examples, seconds, steps)
+        else:
+            self.examples, self.seconds, self.steps = (
+                self.examples + examples, self.seconds + seconds, self.steps + steps)
+
+    def summary(self) -> dict:
+        examples, seconds, steps = (self.examples, self.seconds, self.steps) if self.steps else (
+            self.first or (0, 0, 0))
+        if not steps:
+            return {"examples_per_sec": None, "step_time_s": None}
+        return {"examples_per_sec": examples / seconds, "step_time_s": seconds / steps}
+
+
+def _to_next(step: int, every: int) -> int:
+    """Steps from `step` to the next multiple of `every`."""
+    return every - step % every
+
+
+def _floats(sums: dict) -> dict:
+    return {k: float(v.numpy()) for k, v in sums.items()}
 
 
 def _write_scalars(writer, prefix, step, values):
