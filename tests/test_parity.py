@@ -1,14 +1,22 @@
 """Every strategy's step changes every weight exactly as one device does on the same batch."""
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
+from tests.conftest import REPO
 from tests.helpers import max_update_difference, one_step
 from tf_multigpu.data import load_source
 
 # fp32 sums of the same products in a different order (per-replica partial sums, then the
-# all-reduce) differ by a few ulps; relative to the update that is ~1e-7..1e-6. 1e-5 leaves
-# headroom for that and nothing else: a wrong loss scale (x N) or a missed all-reduce is O(1).
+# all-reduce; im2col einsums instead of oneDNN's conv) differ by a few ulps. The update is
+# read back as (w_after - w_before), whose resolution is one ulp of w (~7e-9 for |w| ~ 0.1),
+# so the steps use lr=1.0 to make updates large enough to see differences ~1e-6 relative
+# (measured: <= 1.4e-6 for every strategy). 1e-5 leaves headroom for rounding and nothing
+# else: a wrong loss scale (x N), a missed all-reduce or a stale optimizer slot is O(1).
 TOLERANCE = 1e-5
 
 
@@ -49,5 +57,29 @@ def test_tolerance_catches_a_wrong_loss_scale(digits_batch, devices):
     makes 2 replicas' update twice one device's, the same as doubling the learning rate."""
     source, images, labels = digits_batch
     before, single = one_step("single", devices, source, images, labels)
-    _, doubled = one_step("single", devices, source, images, labels, learning_rate=0.2)
+    _, doubled = one_step("single", devices, source, images, labels, learning_rate=2.0)
     assert max_update_difference(before, doubled, single) > 0.5
+
+
+MESHES = [("model", "batch:1,model:2"), ("model", "batch:1,model:4"), ("hybrid", "batch:2,model:2"),
+          ("hybrid", "batch:2,model:4"), ("hybrid", "batch:4,model:2")]
+
+
+def _in_own_process(strategy, mesh, layouts, steps=1):
+    done = subprocess.run([sys.executable, "-m", "tests.parity_worker", strategy, mesh, layouts, str(steps)],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("strategy, mesh", MESHES)
+def test_model_and_hybrid_step_equals_one_device(strategy, mesh):
+    for layout, result in _in_own_process(strategy, mesh, "filter_split,fc_only").items():
+        assert result["same_initial_weights"], layout
+        assert result["max_update_difference"] <= TOLERANCE, (layout, result)
+
+
+def test_hybrid_two_steps_with_momentum_match():
+    """The optimizer slots stay right under DTensor (stock Keras SGD left weights unchanged)."""
+    result = _in_own_process("hybrid", "batch:2,model:2", "filter_split", steps=2)["filter_split"]
+    assert result["max_update_difference"] <= TOLERANCE

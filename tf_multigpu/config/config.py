@@ -14,7 +14,8 @@ from typing import Optional
 
 from tf_multigpu.errors import UsageError
 
-STRATEGIES = ("single", "data")
+STRATEGIES = ("single", "data", "model", "hybrid")
+LAYOUTS = ("filter_split", "fc_only")
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "one_device")
 LR_SCHEDULES = ("constant", "step", "cosine")
 
@@ -36,6 +37,9 @@ class Config:
     num_devices: int = 0          # 0: all devices found
     cpu_devices: int = 0          # 0: GPUs if any, else 2 logical CPU devices
     all_reduce: str = "auto"
+    mesh: str = ""                # batch:B,model:M; "" = derived from --strategy and the devices
+    layout: str = "filter_split"
+    layout_rules: str = ""        # REGEX=SPEC;... replaces --layout's built-in rules
     dataset: str = "digits"
     data_dir: Optional[str] = None
     image_size: int = 0           # 0: the data set's own size
@@ -81,6 +85,13 @@ class Config:
         if self.strategy == "single" and self.num_devices > 1:
             raise UsageError(f"--strategy=single uses one device but --num_devices={self.num_devices}: "
                              "drop --num_devices or use --strategy=data")
+        if self.mesh:
+            if self.strategy not in ("model", "hybrid"):
+                raise UsageError(f"--mesh applies to --strategy=model or hybrid, not {self.strategy}: drop --mesh")
+            parse_mesh(self.mesh)
+        if self.layout_rules and self.strategy not in ("model", "hybrid"):
+            raise UsageError(f"--layout_rules applies to --strategy=model or hybrid, not {self.strategy}")
+        _one_of("layout", self.layout, LAYOUTS)
         if self.data_dir is not None and not os.access(self.data_dir, os.R_OK | os.X_OK):
             raise UsageError(f"--data_dir={self.data_dir} is not a readable directory: "
                              "point it at the TFDS data directory (e.g. ~/tensorflow_datasets)")
@@ -100,6 +111,27 @@ class Config:
     def write(self, path: str) -> None:
         with open(path, "w") as f:
             f.write(self.to_json() + "\n")
+
+
+def parse_mesh(text: str) -> dict:
+    """`batch:B,model:M` -> {"batch": B, "model": M} (a missing axis has size 1)."""
+    shape = {}
+    for part in filter(None, text.split(",")):
+        axis, _, size = part.partition(":")
+        if axis not in ("batch", "model") or not size.isdigit() or int(size) < 1 or axis in shape:
+            raise UsageError(f"--mesh={text!r} is not batch:B,model:M with B, M >= 1, e.g. --mesh=batch:2,model:2")
+        shape[axis] = int(size)
+    return {"batch": shape.get("batch", 1), "model": shape.get("model", 1)}
+
+
+def mesh_for(strategy: str, mesh: str, num_devices: int) -> dict:
+    """The mesh shape: --mesh if given; else all devices on `model` (model), or pairs of
+    model-parallel devices, data parallel between the pairs (hybrid, as in the paper)."""
+    if mesh:
+        return parse_mesh(mesh)
+    if strategy == "model":
+        return {"batch": 1, "model": num_devices}
+    return {"batch": max(num_devices // 2, 1), "model": 2}
 
 
 def load_config(path: str) -> Config:

@@ -7,14 +7,24 @@ turns the parsed flags into the frozen Config; nothing else reads FLAGS.
 
 from absl import flags
 
-from tf_multigpu.config.config import ALL_REDUCE, LR_SCHEDULES, STRATEGIES, Config
+from tf_multigpu.config.config import ALL_REDUCE, LAYOUTS, LR_SCHEDULES, STRATEGIES, Config
 
 _D = Config  # defaults live on the dataclass; flags only restate them
 
 flags.DEFINE_string("run_dir", None, "Directory for everything a run writes: config, checkpoints, "
                     "TensorBoard logs, summary.json and export/. Rerunning the same command resumes.")
 flags.DEFINE_string("strategy", _D.strategy, f"How to use the devices: one of {', '.join(STRATEGIES)}. "
-                    "single: one device; data: MirroredStrategy data parallelism over all devices.")
+                    "single: one device; data: MirroredStrategy data parallelism over all devices; "
+                    "model: conv filters and dense units split over all devices (DTensor); hybrid: "
+                    "model-parallel groups, data parallel between them (--mesh).")
+flags.DEFINE_string("mesh", _D.mesh, "Device mesh for model/hybrid: batch:B,model:M with B*M = devices. "
+                    "Default: batch:1,model:N for model; batch:N/2,model:2 for hybrid.")
+flags.DEFINE_string("layout", _D.layout, f"Model-parallel layout policy: one of {', '.join(LAYOUTS)}. "
+                    "filter_split: conv filters and hidden dense units split (the paper); fc_only: "
+                    "convs data parallel, dense layers split (Krizhevsky 2014).")
+flags.DEFINE_string("layout_rules", _D.layout_rules, "Your own layout: 'REGEX=SPEC;...' over Keras "
+                    "variable paths, SPEC one of -,batch,model per dimension, e.g. "
+                    "'.*conv2/kernel=-,-,-,model;.*fc6/kernel=-,model'. Replaces --layout.")
 flags.DEFINE_integer("num_devices", _D.num_devices, "Use only the first N devices (0: all found).")
 flags.DEFINE_integer("cpu_devices", _D.cpu_devices,
                      "Split the CPU into N logical devices and use them instead of GPUs. For testing "

@@ -5,13 +5,21 @@ training loop drives: it builds variables in its scope, distributes the input, a
 single-replica step function across the devices.
 """
 
+from tf_multigpu.config.config import mesh_for
 from tf_multigpu.parallel.devices import configure_devices
 from tf_multigpu.parallel.tf_distribute import DistributeParallelism
 
 
-def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str = "auto"):
+def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str = "auto",
+                     mesh: str = "", layout: str = "filter_split", layout_rules: str = ""):
     """The parallelism for a --strategy value over `devices`."""
-    return DistributeParallelism.create(strategy, devices, global_batch, all_reduce)
+    if strategy in ("single", "data"):
+        return DistributeParallelism.create(strategy, devices, global_batch, all_reduce)
+    from tf_multigpu.parallel.dtensor_mesh import DTensorParallelism, check_mesh
+    from tf_multigpu.parallel.layouts import policy_rules
+    shape = mesh_for(strategy, mesh, len(devices))
+    check_mesh(strategy, shape, len(devices))
+    return DTensorParallelism(strategy, devices, shape, policy_rules(layout, layout_rules), global_batch)
 
 
 __all__ = ["configure_devices", "make_parallelism", "DistributeParallelism"]

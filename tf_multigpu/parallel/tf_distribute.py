@@ -67,6 +67,11 @@ class DistributeParallelism:
         """Variables (model, optimizer slots) created here are mirrored on every device."""
         return self.strategy.scope()
 
+    def build_model(self, build: Callable) -> "keras.Model":
+        """Builds the model with its variables mirrored on every device."""
+        with self.scope():
+            return build()
+
     @property
     def replica_batch(self) -> int:
         return self.global_batch // self.num_replicas

@@ -30,7 +30,8 @@ def train(cfg: Config, devices: list[str]) -> dict:
     started = time.perf_counter()
     get_factory(cfg.model)   # an unknown model is reported before anything is built
     source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size)
-    par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce)
+    par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh,
+                           cfg.layout, cfg.layout_rules)
     cfg.check_devices(par.num_replicas)
     per_epoch = steps_per_epoch(source, cfg.batch_size)
     paths = run_dir.check_previous_run(cfg)
@@ -121,8 +122,8 @@ def build_model_and_optimizer(cfg: Config, par, source, total_steps: int, **mode
     Seeding right before building gives the same initial weights under every strategy.
     """
     keras.utils.set_random_seed(cfg.seed)
+    model = par.build_model(lambda: build_model(cfg.model, source.image_shape, source.num_classes, **model_kwargs))
     with par.scope():
-        model = build_model(cfg.model, source.image_shape, source.num_classes, **model_kwargs)
         optimizer = MomentumSGD(
             learning_rate_schedule(cfg.learning_rate, cfg.lr_schedule, total_steps, cfg.warmup_steps),
             momentum=cfg.momentum, l2=cfg.weight_decay)

@@ -1,0 +1,230 @@
+"""`--strategy=model` and `--strategy=hybrid` on a DTensor mesh of ("batch", B) x ("model", M).
+
+The model is the user's plain Keras model, converted by the layout policy: its variables
+become DVariables laid out by (path regex -> spec) rules, and the layers whose inputs or
+kernels are split on `model` are swapped for the equivalents in `split_layers` (same weights,
+same names). The step is the single-replica step of every strategy, run once on the global
+batch: DTensor computes it SPMD on every device, batch-sharded on `batch` (the data-parallel
+groups) and split on `model` inside each group.
+
+Three DTensor/Keras facts shape this file (see BUILD_NOTES.md):
+- Keras' `keras.distribution` is a no-op on the TensorFlow backend, so variables get their
+  layouts from a `tf.variable_creator_scope` that returns DVariables (optimizer slots too).
+- A variable creator is not told the variable's Keras path; Keras' name-scope stack plus the
+  variable's name gives it, and a slot's name starts with its variable's path ('/' -> '_').
+- `dtensor.unpack` only works eagerly, so results leave the mesh outside the tf.function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.backend.common.name_scope import current_path   # no public API for the path
+from tensorflow.experimental import dtensor
+
+from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel import split_layers
+from tf_multigpu.parallel.layouts import UNSPLIT, assign_specs
+
+U = dtensor.UNSHARDED
+
+
+class DTensorParallelism:
+    """Runs the single-replica step on the global batch over a batch x model DTensor mesh."""
+
+    def __init__(self, name: str, devices, mesh_shape: dict, rules, global_batch: int):
+        self.name = name
+        self.devices = list(devices)
+        self.mesh_shape = mesh_shape
+        self.rules = rules
+        self.global_batch = global_batch
+        self.num_replicas = mesh_shape["batch"]
+        self.mesh = dtensor.create_mesh(
+            [("batch", mesh_shape["batch"]), ("model", mesh_shape["model"])],
+            devices=[d.split("device:")[-1] for d in self.devices])
+        self.specs = {}          # variable path -> spec, set by build_model
+        self._by_path = {}       # variable path -> layout (slots look theirs up here)
+
+    @property
+    def replica_batch(self) -> int:
+        return self.global_batch // self.num_replicas
+
+    # -- variables -------------------------------------------------------------------------
+    def layout(self, spec) -> dtensor.Layout:
+        return dtensor.Layout([U if axis == UNSPLIT else axis for axis in spec], self.mesh)
+
+    def _layout_for(self, path: str, name: str, rank: int) -> dtensor.Layout:
+        if path in self._by_path:
+            return self._by_path[path]
+        for var_path, layout in self._by_path.items():   # an optimizer slot follows its variable
+            if name.startswith(var_path.replace("/", "_") + "_") and layout.rank == rank:
+                return layout
+        spec = self.specs.get(path)
+        return self.layout(spec) if spec else dtensor.Layout.replicated(self.mesh, rank)
+
+    def _creator(self, next_creator, **kwargs):
+        name = kwargs.get("name") or "variable"
+        path = f"{current_path()}/{name}" if current_path() else name
+        initial = kwargs["initial_value"]
+        initial = tf.convert_to_tensor(initial() if callable(initial) else initial, dtype=kwargs.get("dtype"))
+        layout = self._layout_for(path, name, initial.shape.rank)
+        if path in self.specs:
+            self._by_path[path] = layout
+        return dtensor.DVariable(self.put(initial, layout), trainable=kwargs.get("trainable", True), name=name)
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Variables created here (model, optimizer) are DVariables with the policy's layouts."""
+        return tf.variable_creator_scope(self._creator)
+
+    def put(self, value, layout: dtensor.Layout):
+        """A host value as a DTensor with `layout`."""
+        value = tf.convert_to_tensor(value)
+        return dtensor.relayout(dtensor.copy_to_mesh(value, dtensor.Layout.replicated(self.mesh, value.shape.rank)),
+                                layout)
+
+    def to_numpy(self, variable) -> np.ndarray:
+        """The global value of a (sharded) variable, gathered to the host."""
+        value = variable.value.read_value() if hasattr(variable, "value") else tf.convert_to_tensor(variable)
+        full = dtensor.relayout(value, dtensor.Layout.replicated(self.mesh, value.shape.rank))
+        return dtensor.unpack(full)[0].numpy()
+
+    def local_shape(self, variable) -> list:
+        """The shape of one device's shard of a variable."""
+        value = variable.value.read_value() if hasattr(variable, "value") else variable
+        return dtensor.unpack(value)[0].shape.as_list()
+
+    # -- the model ---------------------------------------------------------------------------
+    def build_model(self, build: Callable[[], keras.Model]) -> keras.Model:
+        """Builds the plain model, then its model-parallel twin with the same initial values."""
+        plain = build()
+        self.specs = assign_specs({v.path: tuple(v.shape) for v in plain.weights}, self.rules, self.mesh_shape)
+        convert = self._converter(plain)
+        try:
+            with self.scope():
+                model = keras.models.clone_model(plain, clone_function=convert)
+        except ValueError as e:
+            raise UsageError(f"model parallelism needs a Sequential or functional Keras model ({e})") from None
+        # Same initial values as the plain model (hence as every other strategy). The weights
+        # pair up by path; the dropout RNG states (no stable path: clones renumber them) by order.
+        for var, value in zip(model.variables, plain.variables):
+            if var.path in self.specs and var.path != value.path:
+                raise AssertionError(f"cloned model's variables are out of order: {var.path} vs {value.path}")
+            var.assign(self.put(value, self._layout_for(var.path, var.name, len(var.shape))))
+        return model
+
+    def _split_on_model(self, path: str) -> bool:
+        return "model" in self.specs.get(path, ())
+
+    def _converter(self, plain: keras.Model):
+        """clone_function: stock layer -> its split-aware twin, wherever the policy needs one.
+
+        Walks the layers in order, tracking whether the activations reaching each layer are
+        split on `model` (after a split conv or dense, until something gathers them).
+        """
+        plan, split_input, seen_weights = {}, False, False
+        for layer in plain.layers:
+            kernel_path = f"{plain.name}/{layer.name}/kernel"
+            cls = None
+            if isinstance(layer, keras.layers.Conv2D) and type(layer) is keras.layers.Conv2D:
+                if self._split_on_model(kernel_path):
+                    cls, split_output = split_layers.SplitConv2D, True
+                else:
+                    cls, split_output = (split_layers.GatherConv2D if split_input else None), False
+            elif type(layer) is keras.layers.Dense:
+                cls = split_layers.GatherDense if (split_input or self._split_on_model(kernel_path)) else None
+                split_output = self._split_on_model(kernel_path)
+            elif type(layer) is keras.layers.MaxPooling2D and split_input:
+                cls, split_output = split_layers.SlicePool2D, True
+            elif type(layer) is keras.layers.Flatten and split_input:
+                cls, split_output = split_layers.GatherFlatten, False
+            elif layer.weights and split_input:
+                raise UsageError(f"layer {layer.name} ({type(layer).__name__}) receives activations split on "
+                                 "'model' and has no split-aware version: replicate the layer before it")
+            else:
+                split_output = split_input
+            plan[layer.name] = (cls, not seen_weights)
+            split_input = split_output
+            seen_weights = seen_weights or bool(layer.weights)
+
+        def convert(layer):
+            cls, first = plan.get(layer.name, (None, False))
+            if cls is None:
+                return layer.__class__.from_config(layer.get_config())
+            new = cls.from_config(layer.get_config())
+            new.mesh = self.mesh
+            if cls is split_layers.SplitConv2D:
+                new.need_input_grad = not first   # nothing upstream to send a gradient to
+            return new
+
+        return convert
+
+    # -- data and steps ----------------------------------------------------------------------
+    def distribute(self, make_dataset: Callable[[int], tf.data.Dataset]):
+        """Batches sharded on `batch`: data-parallel group i gets the i-th of B consecutive
+        per-replica batches, i.e. rows [i*G/B, (i+1)*G/B) of the global batch, as
+        MirroredStrategy gives replica i.
+
+        We pack the batches ourselves: `dtensor.DTensorDataset` (TF 2.21) feeds every group
+        the SAME rows when the mesh uses fewer devices than exist (it counts all devices of
+        the type, not the mesh's), which silently trains on a fraction of the data.
+        """
+        return _MeshBatches(make_dataset(self.replica_batch), self.mesh, self.mesh_shape)
+
+    def compile(self, step_fn: Callable[..., dict]) -> Callable:
+        """`run(iterator, num_steps)`: `num_steps` steps on the mesh; returns summed scalars.
+
+        One tf.function call per step: the input is packed onto the mesh on the host, between
+        calls (DTensor iterators cannot be fed from our own packing inside a function).
+        """
+        step = tf.function(step_fn)
+
+        def run(iterator, num_steps):
+            totals = None
+            for _ in range(int(num_steps)):
+                out = step(*next(iterator))
+                totals = out if totals is None else {k: totals[k] + out[k] for k in totals}
+            # The scalars are replicated on the mesh: any device's copy is the value.
+            return {k: dtensor.unpack(v)[0] for k, v in totals.items()}
+
+        return run
+
+
+class _MeshBatches:
+    """Iterable of global batches as DTensors sharded on `batch`, from per-replica batches."""
+
+    def __init__(self, dataset: tf.data.Dataset, mesh, mesh_shape: dict):
+        self.dataset, self.mesh = dataset, mesh
+        self.groups, self.per_group = mesh_shape["batch"], mesh_shape["model"]
+
+    def __iter__(self):
+        layouts = [dtensor.Layout.batch_sharded(self.mesh, "batch", spec.shape.rank)
+                   for spec in self.dataset.element_spec]
+        batches = iter(self.dataset)
+        while True:
+            try:
+                parts = [next(batches) for _ in range(self.groups)]
+            except StopIteration:
+                return
+            # Mesh devices are numbered row-major: device d is in batch group d // M.
+            yield tuple(
+                dtensor.pack([parts[d // self.per_group][k] for d in range(self.groups * self.per_group)], layout)
+                for k, layout in enumerate(layouts))
+
+
+def check_mesh(strategy: str, mesh_shape: dict, num_devices: int) -> None:
+    """The mesh must use exactly the devices, and match the strategy."""
+    b, m = mesh_shape["batch"], mesh_shape["model"]
+    if b * m != num_devices:
+        raise UsageError(f"--mesh=batch:{b},model:{m} needs {b * m} devices but {num_devices} are used: "
+                         f"make B*M = {num_devices} or set --num_devices={b * m}")
+    if strategy == "model" and b != 1:
+        raise UsageError(f"--strategy=model puts every device on the model axis, not --mesh=batch:{b},model:{m}: "
+                         "use --strategy=hybrid or --mesh=batch:1,model:N")
+    if strategy == "hybrid" and (b < 2 or m < 2):
+        raise UsageError(f"--strategy=hybrid needs both mesh axes > 1, not batch:{b},model:{m}: "
+                         "e.g. --mesh=batch:2,model:2, or use --strategy=data / --strategy=model")
+

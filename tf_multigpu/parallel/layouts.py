@@ -1,0 +1,92 @@
+"""Model-parallel placement as data: (variable-path regex, sharding spec) rules.
+
+A spec names, per dimension of a variable, the mesh axis it is split on ("model") or "-" for
+unsplit. Variable paths are Keras paths such as `alexnet/conv2/kernel`. Built-in policies:
+
+  filter_split  every conv kernel split on output channels (filters), hidden dense kernels on
+                units, biases with them: the paper's model parallelism.
+  fc_only       convolutions replicated (data parallel), hidden dense layers split on
+                units: Krizhevsky 2014's "one weird trick".
+
+The classifier (`logits`) stays replicated in both: it is small, and its class count (10
+for digits) rarely divides by the model axis.
+
+The first matching rule wins; variables no rule matches are replicated. A rule that matches
+no variable, a spec of the wrong rank, or a split that does not divide its dimension is an
+error, never a silent no-op.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tf_multigpu.errors import UsageError
+
+UNSPLIT = "-"
+AXES = ("batch", "model")
+
+POLICIES = {
+    "filter_split": [
+        (r".*conv[^/]*/kernel", "-,-,-,model"),
+        (r".*conv[^/]*/bias", "model"),
+        (r".*(fc|dense)[^/]*/kernel", "-,model"),
+        (r".*(fc|dense)[^/]*/bias", "model"),
+    ],
+    "fc_only": [
+        (r".*(fc|dense)[^/]*/kernel", "-,model"),
+        (r".*(fc|dense)[^/]*/bias", "model"),
+    ],
+}
+
+
+def parse_rules(text: str) -> list[tuple[str, str]]:
+    """`REGEX=SPEC;REGEX=SPEC` (e.g. `.*conv1/kernel=-,-,-,model`) -> rules."""
+    rules = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        regex, sep, spec = item.rpartition("=")
+        if not sep or not regex:
+            raise UsageError(f"--layout_rules item {item!r} is not REGEX=SPEC, e.g. '.*conv1/kernel=-,-,-,model'")
+        try:
+            re.compile(regex)
+        except re.error as e:
+            raise UsageError(f"--layout_rules regex {regex!r} is invalid ({e})") from None
+        for axis in spec.split(","):
+            if axis not in (UNSPLIT, *AXES):
+                raise UsageError(f"--layout_rules spec {spec!r}: each dimension is '-', 'batch' or 'model'")
+        rules.append((regex, spec))
+    return rules
+
+
+def policy_rules(layout: str, layout_rules: str = "") -> list[tuple[str, str]]:
+    """The rules for --layout (a built-in name), or --layout_rules when given."""
+    if layout_rules:
+        return parse_rules(layout_rules)
+    if layout not in POLICIES:
+        raise UsageError(f"unknown --layout={layout!r}: choose one of {', '.join(POLICIES)}, "
+                         "or give --layout_rules='REGEX=SPEC;...'")
+    return POLICIES[layout]
+
+
+def assign_specs(variables: dict, rules, mesh_shape: dict) -> dict:
+    """{path: shape} -> {path: [axis or '-' per dim]}; checks every rule and every split."""
+    used, specs = set(), {}
+    for path, shape in variables.items():
+        spec = [UNSPLIT] * len(shape)
+        for i, (regex, text) in enumerate(rules):
+            if re.fullmatch(regex, path):
+                used.add(i)
+                spec = text.split(",")
+                if len(spec) != len(shape):
+                    raise UsageError(f"layout rule {regex!r}={text!r} has rank {len(spec)} but {path} "
+                                     f"has shape {list(shape)}: give one entry per dimension")
+                break
+        for dim, (size, axis) in enumerate(zip(shape, spec)):
+            if axis != UNSPLIT and size % mesh_shape[axis]:
+                raise UsageError(f"{path} dimension {dim} ({size}) does not divide by the {mesh_shape[axis]} "
+                                 f"devices of mesh axis '{axis}': change --mesh or the layout")
+        specs[path] = spec
+    unused = [regex for i, (regex, _) in enumerate(rules) if i not in used]
+    if unused:
+        raise UsageError(f"layout rule(s) {unused} match no variable of the model (variables: "
+                         f"{', '.join(list(variables)[:6])}...): fix the regex")
+    return specs

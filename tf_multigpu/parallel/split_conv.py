@@ -1,0 +1,206 @@
+"""2-D convolution whose kernel may be sharded on output channels under TF DTensor.
+
+DTensor (TF 2.21) refuses `Conv2D` unless the filter is fully replicated and the input's
+channel dimension is replicated, and its `Conv2DBackpropInput/Filter` expanders only accept
+batch-parallel layouts.  Einsum/MatMul, GatherV2, Pad, Reshape and Transpose on leading
+dimensions do accept a kernel sharded on its last (output-channel) dimension, so this module
+writes the convolution with those ops only:
+
+    forward   y  = P @ W            P: im2col patches of x, built by ONE tf.gather with
+                                     constant indices (replicated on `model`, sharded on
+                                     `batch`), W: kernel as [kh*kw*cin, cout] (cout sharded)
+    backward  dW = P^T @ dy          cout stays sharded; contraction over the batch gives the
+                                     usual data-parallel all-reduce over `batch` (if B > 1)
+              dx = Q . W3            Q: patches of the padded dy taken with FLIPPED offsets
+                                     (again one gather), [b,h,w,kh*kw,cout], contracted with
+                                     W3 = kernel as [kh*kw, cin, cout] over (tap, cout).
+                                     cout is sharded, so DTensor emits exactly one all-reduce
+                                     over `model`, at the size of x.
+
+Strided convolutions are rewritten as stride-1 ones by space-to-depth (reshape/transpose,
+since DTensor has no layout propagation for tf.nn.space_to_depth): an 11x11/4 conv over 3
+channels becomes a 3x3/1 conv over 48 channels (the kernel is zero-padded to 12x12), which
+keeps the patch matrix small and lets the input gradient be an ordinary stride-1
+transposed conv instead of a per-stride-phase one.
+
+The same code runs on plain (non-DTensor) tensors, which is how its parity with
+`tf.nn.conv2d` is tested.  See REPORT.md for the measurements behind each choice.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["split_conv2d", "split_conv2d_sharded_input", "conv_output_size"]
+
+
+def _same_pads(n: int, k: int, s: int) -> tuple[int, int]:
+    """tf.nn.conv2d's SAME padding (extra pixel goes to the bottom/right)."""
+    out = -(-n // s)
+    total = max((out - 1) * s + k - n, 0)
+    return total // 2, total - total // 2
+
+
+def conv_output_size(n: int, k: int, s: int, padding: str) -> int:
+    """Spatial output size of tf.nn.conv2d along one dimension."""
+    return -(-n // s) if padding == "SAME" else (n - k) // s + 1
+
+
+def _space_to_depth(x, w, s: int, padding: str):
+    """Rewrite conv(x, w, stride=s) as a stride-1 VALID conv of (x2, w2).
+
+    x [B,H,W,C] is padded/cropped to (Hs*s, Ws*s) and regrouped so that each s x s block of
+    pixels becomes one pixel with s*s*C channels (ordering (dy, dx, c)); w is zero-padded to
+    (KH*s, KW*s) and regrouped the same way.  Only leading dimensions of w are touched, so an
+    output-channel sharding of w is kept; x keeps its batch sharding.
+    """
+    kh, kw, c, o = w.shape
+    h, wd = x.shape[1], x.shape[2]
+    (pt, pb), (pl, pr) = ((_same_pads(h, kh, s), _same_pads(wd, kw, s)) if padding == "SAME"
+                          else ((0, 0), (0, 0)))
+    oh, ow = (h + pt + pb - kh) // s + 1, (wd + pl + pr - kw) // s + 1
+    KH, KW = -(-kh // s), -(-kw // s)
+    hs, ws = oh - 1 + KH, ow - 1 + KW  # stride-1 VALID over (hs, ws) gives (oh, ow)
+    x = tf.pad(x, [[0, 0], [pt, max(0, hs * s - h - pt)], [pl, max(0, ws * s - wd - pl)], [0, 0]])
+    x = x[:, : hs * s, : ws * s, :]  # rows/cols no output reads (VALID remainder)
+    x = tf.reshape(x, [-1, hs, s, ws, s, c])
+    x = tf.reshape(tf.transpose(x, [0, 1, 3, 2, 4, 5]), [-1, hs, ws, s * s * c])
+    w = tf.pad(w, [[0, KH * s - kh], [0, KW * s - kw], [0, 0], [0, 0]])
+    w = tf.reshape(tf.transpose(tf.reshape(w, [KH, s, KW, s, c, o]), [0, 2, 1, 3, 4, 5]),
+                   [KH, KW, s * s * c, o])
+    return x, w
+
+
+def _patch_index(wp: int, kh: int, kw: int, oh: int, ow: int, flip: bool = False) -> np.ndarray:
+    """Flat spatial indices for im2col of a row-major (hp, wp) image: [oh*ow*kh*kw].
+
+    Entry (h, w, i, j) -> (h + i) * wp + (w + j); with flip, the taps are reversed
+    (i -> kh-1-i), which is what the input gradient (a correlation with the flipped kernel)
+    needs -- tf.reverse has no DTensor layout propagation, so the flip lives in the indices.
+    """
+    h = np.arange(oh)[:, None, None, None]
+    w = np.arange(ow)[None, :, None, None]
+    i = np.arange(kh)[None, None, :, None]
+    j = np.arange(kw)[None, None, None, :]
+    if flip:
+        i, j = kh - 1 - i, kw - 1 - j
+    return ((h + i) * wp + (w + j)).reshape(-1).astype(np.int32)
+
+
+def _patches(t, kh: int, kw: int, oh: int, ow: int, flip: bool = False):
+    """im2col of t [B,Hp,Wp,C] -> [B, oh, ow, kh*kw, C] with one GatherV2 on the flat
+    spatial axis.  Measured fastest on CPU (one pass, C-contiguous rows) against a concat of
+    kh*kw strided slices (a copy per slice, then the concat) and a one-hot depthwise conv.
+    The channel axis is untouched, so a channel (`model`) sharding of t is kept."""
+    hp, wp, c = t.shape[1], t.shape[2], t.shape[3]
+    flat = tf.reshape(t, [-1, hp * wp, c])
+    g = tf.gather(flat, _patch_index(wp, kh, kw, oh, ow, flip), axis=1)
+    return tf.reshape(g, [-1, oh, ow, kh * kw, c])
+
+
+def _conv_s1(x, w, pads, need_input_grad: bool):
+    """Stride-1 convolution of x [B,H,W,C] by w [kh,kw,C,O], zero padding pads=((top, bottom),
+    (left, right)), with a hand-written gradient.
+
+    Autodiff of the forward would all-reduce the patch gradient (kh*kw times the size of x)
+    and then scatter-add it back; the custom gradient contracts (tap, cout) in one einsum, so
+    the only `model` collective is one all-reduce of dx, and the padding is applied inside so
+    that dx (hence the all-reduce) has exactly the size of x, not of the padded x.
+    """
+    kh, kw, c, o = w.shape
+    h, wd = x.shape[1], x.shape[2]
+    (pt, pb), (pl, pr) = pads
+    oh, ow = h + pt + pb - kh + 1, wd + pl + pr - kw + 1
+
+    @tf.custom_gradient
+    def conv(x, w):
+        xp = tf.pad(x, [[0, 0], [pt, pb], [pl, pr], [0, 0]]) if pt or pb or pl or pr else x
+        p = tf.reshape(_patches(xp, kh, kw, oh, ow), [-1, oh, ow, kh * kw * c])
+        y = tf.einsum("bhwk,kd->bhwd", p, tf.reshape(w, [kh * kw * c, o]))
+
+        def grad(dy):
+            dw = tf.reshape(tf.einsum("bhwk,bhwd->kd", p, dy), [kh, kw, c, o])
+            if not need_input_grad:
+                return None, dw
+            # dx[b,r,q,:] = sum_{i,j,d} dy[b, r+pt-i, q+pl-j, d] * w[i,j,:,d] (dy = 0 outside):
+            # pad dy so that tap (i, j) of output pixel (r, q) sits at (r + kh-1-i, q + kw-1-j),
+            # i.e. an im2col of the padded dy with flipped taps, only at x's own pixels.
+            dyp = tf.pad(dy, [[0, 0], [kh - 1 - pt, kh - 1 - pb], [kw - 1 - pl, kw - 1 - pr], [0, 0]])
+            q = _patches(dyp, kh, kw, h, wd, flip=True)  # [b,h,w,kh*kw,o], o sharded
+            dx = tf.einsum("bhwkd,kcd->bhwc", q, tf.reshape(w, [kh * kw, c, o]))
+            return dx, dw
+
+        return y, grad
+
+    return conv(x, w)
+
+
+def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True):
+    """Exact replacement for tf.nn.conv2d(x, kernel, strides, padding) (NHWC, HWIO, no dilation)
+    that DTensor accepts with `kernel` sharded on its output channels.
+
+    Layouts under DTensor (mesh ("batch", B) x ("model", M)):
+      x      ["batch", U, U, U]        (replicated on `model`; see split_conv2d_sharded_input
+                                        for a channel-sharded input)
+      kernel [U, U, U, "model"]
+      y      ["batch", U, U, "model"]   local channels cout / M
+      dkernel like kernel; dx ["batch", U, U, U] after ONE all-reduce over `model`.
+
+    Args:
+      x: [B, H, W, Cin] float tensor (DTensor or plain).
+      kernel: [kh, kw, Cin, Cout] (square or rectangular).
+      strides: int or (sh, sw) -- only equal strides are supported (int or a 2-/4-tuple).
+      padding: "SAME" or "VALID" (tf.nn.conv2d semantics).
+      need_input_grad: False for a first layer: the backward then skips the input gradient
+        (and its all-reduce); the gradient w.r.t. x is None.
+    """
+    s = _stride(strides)
+    padding = padding.upper()
+    if padding not in ("SAME", "VALID"):
+        raise ValueError(f"padding must be SAME or VALID, got {padding!r}")
+    x = tf.convert_to_tensor(x)
+    kernel = tf.convert_to_tensor(kernel)
+    kh, kw = kernel.shape[0], kernel.shape[1]
+    pads = ((0, 0), (0, 0))
+    if s > 1:  # the s2d grid already holds the padding (its dx is ~ x's size, e.g. 228 vs 227)
+        x, kernel = _space_to_depth(x, kernel, s, padding)
+    elif padding == "SAME":
+        pads = (_same_pads(x.shape[1], kh, 1), _same_pads(x.shape[2], kw, 1))
+    return _conv_s1(x, kernel, pads, need_input_grad)
+
+
+def split_conv2d_sharded_input(x, kernel, strides=1, padding="SAME", need_input_grad=True,
+                               input_layout=None):
+    """split_conv2d for an input that is itself channel-sharded (["batch",U,U,"model"], e.g.
+    the output of a previous split conv).
+
+    The contraction runs over all input channels while each device's kernel shard holds all of
+    them for its own output channels, so each device needs the whole input: ONE explicit
+    all-gather of x over `model` (`dtensor.relayout` to `input_layout`, normally
+    ["batch",U,U,U]), named `split_conv_gather_input` so it is visible in graph dumps rather
+    than hidden in an op's expansion.  Its gradient is a local slice (no communication), so the
+    backward still has exactly one `model` all-reduce (dx).
+
+    Args:
+      input_layout: the dtensor.Layout to gather x into (["batch",U,U,U] on the mesh); None on
+        plain tensors, where this is split_conv2d.  Passed explicitly because layouts cannot be
+        read from symbolic tensors inside a tf.function.
+    """
+    if input_layout is not None:
+        from tensorflow.experimental import dtensor  # only DTensor users need it
+
+        x = dtensor.relayout(x, input_layout, name="split_conv_gather_input")
+    return split_conv2d(x, kernel, strides, padding, need_input_grad)
+
+
+def _stride(strides) -> int:
+    if isinstance(strides, int):
+        return strides
+    st = list(strides)
+    if len(st) == 4:
+        st = st[1:3]
+    if len(st) == 1:
+        return int(st[0])
+    if len(st) != 2 or st[0] != st[1]:
+        raise ValueError(f"only equal strides are supported, got {strides!r}")
+    return int(st[0])

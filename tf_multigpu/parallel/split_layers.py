@@ -1,0 +1,93 @@
+"""Keras layers that run on channel-sharded activations under DTensor.
+
+The layout policy swaps these in for the stock layers of a model (models stay plain Keras):
+
+  SplitConv2D    Conv2D whose kernel is split on output channels: DTensor refuses a sharded
+                 filter in Conv2D, so it runs `split_conv2d` (im2col + einsum, custom grad).
+  SlicePool2D    MaxPooling2D from strided slices and tf.maximum: DTensor's MaxPool refuses
+                 channel-sharded inputs ("Only replicated or batch parallel layout is
+                 supported"); this is exact and keeps the sharding.
+  GatherFlatten, GatherDense, GatherConv2D
+                 the stock layers preceded by one explicit all-gather of the input over the
+                 `model` axis. DTensor would otherwise insert the same relayout silently; doing
+                 it here names it (`relayout/<layer>/activations` in traces) and makes every
+                 activation exchange of model parallelism deliberate and countable.
+
+Each keeps its stock layer's weights and names, so checkpoints and exports are interchangeable
+with the plain model's.
+"""
+
+import keras
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tf_multigpu.parallel.split_conv import split_conv2d
+
+
+def gather_model_axis(x, mesh, name):
+    """Relayout x to batch-sharded, replicated on `model` (an all-gather; a no-op if it is)."""
+    layout = dtensor.Layout(["batch"] + [dtensor.UNSHARDED] * (len(x.shape) - 1), mesh)
+    with tf.name_scope(f"relayout/{name}/activations"):
+        return dtensor.relayout(x, layout)
+
+
+class _Gathers:
+    """Mixin: `mesh` to gather on; set by the layout policy after construction."""
+
+    mesh = None
+
+    def _gather(self, x):
+        return gather_model_axis(x, self.mesh, self.name) if self.mesh is not None else x
+
+
+class SplitConv2D(_Gathers, keras.layers.Conv2D):
+    """Conv2D whose kernel DTensor may shard on output channels (the input is gathered)."""
+
+    need_input_grad = True   # False for a first layer: no input gradient, no all-reduce
+
+    def convolution_op(self, inputs, kernel):
+        return split_conv2d(self._gather(inputs), kernel, self.strides, self.padding,
+                            need_input_grad=self.need_input_grad)
+
+
+class GatherConv2D(_Gathers, keras.layers.Conv2D):
+    """Replicated-kernel Conv2D after a split layer: gathers its input first."""
+
+    def call(self, inputs):
+        return super().call(self._gather(inputs))
+
+
+class SlicePool2D(keras.layers.MaxPooling2D):
+    """Max pooling as the max over pool_size^2 strided slices: exact, layout-preserving."""
+
+    def call(self, inputs):
+        (kh, kw), (sh, sw) = self.pool_size, self.strides
+        if self.padding == "same":
+            h, w = inputs.shape[1], inputs.shape[2]
+            pad_h, pad_w = max((-(-h // sh) - 1) * sh + kh - h, 0), max((-(-w // sw) - 1) * sw + kw - w, 0)
+            inputs = tf.pad(inputs, [[0, 0], [pad_h // 2, pad_h - pad_h // 2],
+                                     [pad_w // 2, pad_w - pad_w // 2], [0, 0]],
+                            constant_values=float("-inf"))
+        h, w = inputs.shape[1], inputs.shape[2]
+        oh, ow = (h - kh) // sh + 1, (w - kw) // sw + 1
+        out = None
+        for i in range(kh):
+            for j in range(kw):
+                window = inputs[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw, :]
+                out = window if out is None else tf.maximum(out, window)
+        return out
+
+
+class GatherFlatten(_Gathers, keras.layers.Flatten):
+    """Flatten of a channel-sharded map: gather first (NHWC flattening mixes channels into
+    every position of the flat vector, so it cannot stay split on channels)."""
+
+    def call(self, inputs):
+        return super().call(self._gather(inputs))
+
+
+class GatherDense(_Gathers, keras.layers.Dense):
+    """Dense after a split layer (or split on units itself): every unit needs every input."""
+
+    def call(self, inputs, training=None):
+        return super().call(self._gather(inputs), training=training)
