@@ -12,3 +12,10 @@ def tiny(input_shape, num_classes):
 
 def wrong_classes(input_shape, num_classes):
     return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+def small_convnet_no_dropout(input_shape, num_classes):
+    """The default model without dropout: its updates do not depend on RNG draws, so runs on
+    different meshes can be compared weight for weight."""
+    from tf_multigpu.models import small_convnet
+    return small_convnet(input_shape, num_classes, dropout=0.0)

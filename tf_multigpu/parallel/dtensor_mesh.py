@@ -48,6 +48,7 @@ class DTensorParallelism:
             devices=[d.split("device:")[-1] for d in self.devices])
         self.specs = {}          # variable path -> spec, set by build_model
         self._by_path = {}       # variable path -> layout (slots look theirs up here)
+        self._split_outputs = {} # layer name -> its output is split on `model`
 
     @property
     def replica_batch(self) -> int:
@@ -91,6 +92,10 @@ class DTensorParallelism:
         value = variable.value.read_value() if hasattr(variable, "value") else tf.convert_to_tensor(variable)
         full = dtensor.relayout(value, dtensor.Layout.replicated(self.mesh, value.shape.rank))
         return dtensor.unpack(full)[0].numpy()
+
+    def activation_split(self, layer_name: str) -> int:
+        """How many ways a layer's output is split besides the batch."""
+        return self.mesh_shape["model"] if self._split_outputs.get(layer_name) else 1
 
     def local_shape(self, variable) -> list:
         """The shape of one device's shard of a variable."""
@@ -147,6 +152,7 @@ class DTensorParallelism:
             else:
                 split_output = split_input
             plan[layer.name] = (cls, not seen_weights)
+            self._split_outputs[layer.name] = split_output
             split_input = split_output
             seen_weights = seen_weights or bool(layer.weights)
 

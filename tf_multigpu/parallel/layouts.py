@@ -8,8 +8,9 @@ unsplit. Variable paths are Keras paths such as `alexnet/conv2/kernel`. Built-in
   fc_only       convolutions replicated (data parallel), hidden dense layers split on
                 units: Krizhevsky 2014's "one weird trick".
 
-The classifier (`logits`) stays replicated in both: it is small, and its class count (10
-for digits) rarely divides by the model axis.
+The classifier (`logits`) is split on classes where the class count divides by the model
+axis (1000 for ImageNet) and replicated where it does not (10 digits on 4 devices): its rules
+end in "?", which only built-in policies use, and the choice is reported in the run's log.
 
 The first matching rule wins; variables no rule matches are replicated. A rule that matches
 no variable, a spec of the wrong rank, or a split that does not divide its dimension is an
@@ -31,10 +32,14 @@ POLICIES = {
         (r".*conv[^/]*/bias", "model"),
         (r".*(fc|dense)[^/]*/kernel", "-,model"),
         (r".*(fc|dense)[^/]*/bias", "model"),
+        (r".*logits/kernel", "-,model?"),
+        (r".*logits/bias", "model?"),
     ],
     "fc_only": [
         (r".*(fc|dense)[^/]*/kernel", "-,model"),
         (r".*(fc|dense)[^/]*/bias", "model"),
+        (r".*logits/kernel", "-,model?"),
+        (r".*logits/bias", "model?"),
     ],
 }
 
@@ -75,17 +80,20 @@ def assign_specs(variables: dict, rules, mesh_shape: dict) -> dict:
         for i, (regex, text) in enumerate(rules):
             if re.fullmatch(regex, path):
                 used.add(i)
-                spec = text.split(",")
+                optional = text.endswith("?")
+                spec = text.replace("?", "").split(",")
                 if len(spec) != len(shape):
                     raise UsageError(f"layout rule {regex!r}={text!r} has rank {len(spec)} but {path} "
                                      f"has shape {list(shape)}: give one entry per dimension")
+                if optional and any(a != UNSPLIT and n % mesh_shape[a] for n, a in zip(shape, spec)):
+                    spec = [UNSPLIT] * len(shape)   # built-in "split if it divides" rule
                 break
         for dim, (size, axis) in enumerate(zip(shape, spec)):
             if axis != UNSPLIT and size % mesh_shape[axis]:
                 raise UsageError(f"{path} dimension {dim} ({size}) does not divide by the {mesh_shape[axis]} "
                                  f"devices of mesh axis '{axis}': change --mesh or the layout")
         specs[path] = spec
-    unused = [regex for i, (regex, _) in enumerate(rules) if i not in used]
+    unused = [regex for i, (regex, text) in enumerate(rules) if i not in used and not text.endswith("?")]
     if unused:
         raise UsageError(f"layout rule(s) {unused} match no variable of the model (variables: "
                          f"{', '.join(list(variables)[:6])}...): fix the regex")

@@ -100,6 +100,14 @@ class DistributeParallelism:
 
         return run
 
+    def local_shape(self, variable) -> list:
+        """Every device holds the whole variable."""
+        return list(variable.shape)
+
+    def activation_split(self, layer_name: str) -> int:
+        """Activations are split on the batch only."""
+        return 1
+
     def to_numpy(self, variable) -> "numpy.ndarray":
         """The value of a (mirrored) variable, as one array."""
         return variable.numpy()

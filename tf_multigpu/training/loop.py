@@ -20,6 +20,7 @@ from tf_multigpu.data.pipeline import steps_per_epoch, test_dataset, train_datas
 from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model, get_factory
 from tf_multigpu.parallel import make_parallelism
+from tf_multigpu.parallel.memory import bytes_per_device
 from tf_multigpu.training import run_dir
 from tf_multigpu.training.optimizer import MomentumSGD, learning_rate_schedule
 from tf_multigpu.training.step import make_eval_step, make_train_step
@@ -49,9 +50,11 @@ def train(cfg: Config, devices: list[str]) -> dict:
     # Input is valid and any earlier state restored: from here on the run writes.
     tf.io.gfile.makedirs(paths.root)
     cfg.write(paths.config)
+    memory = bytes_per_device(model, optimizer, par)
     print(f"{par.name} parallelism on {len(par.devices)} device(s): {', '.join(par.devices)}; "
           f"{source.name} {source.image_shape}, {cfg.model} ({model.count_params():,} parameters), "
-          f"global batch {cfg.batch_size}, steps {start}..{total_steps}", flush=True)
+          f"global batch {cfg.batch_size}, steps {start}..{total_steps}; per device: "
+          f"{memory['parameters'] / 2**20:.1f} MiB parameters, {memory['total'] / 2**20:.1f} MiB in all", flush=True)
 
     train_iter = iter(par.distribute(lambda b: train_dataset(
         source, seed=cfg.seed, global_batch=cfg.batch_size, batch_size=b, start_step=start)))
@@ -65,6 +68,7 @@ def train(cfg: Config, devices: list[str]) -> dict:
         return {"test_loss": sums["loss_sum"] / sums["count"], "test_accuracy": sums["correct"] / sums["count"]}
 
     writer = tf.summary.create_file_writer(paths.tensorboard)
+    _write_scalars(writer, "memory_per_device", start, {f"{k}_bytes": v for k, v in memory.items()})
     bar = keras.utils.Progbar(total_steps, interval=0.05 if sys.stdout.isatty() else 10.0,
                               stateful_metrics=["loss", "accuracy", "test_accuracy", "examples/s"])
     bar.update(start)
@@ -111,6 +115,7 @@ def train(cfg: Config, devices: list[str]) -> dict:
         "model": cfg.model, "dataset": source.name, "global_batch": cfg.batch_size,
         **{k: train_metrics.get(k) for k in ("loss", "accuracy")}, **steady.summary(),
         **test_metrics, "wall_time_s": time.perf_counter() - started, "export_dir": export_dir,
+        "memory_per_device_bytes": memory,
     }
     run_dir.write_json(paths.summary, summary)
     return summary

@@ -1,0 +1,125 @@
+"""Model and hybrid parallelism beyond parity: split shapes, memory, errors, training,
+checkpoints across meshes. In-process DTensor checks use one mesh (1x4) only: a second mesh
+over other devices in one process can hang (BUILD_NOTES.md); other meshes run as commands."""
+
+import glob
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.conftest import run_cli
+from tf_multigpu.config import Config
+from tf_multigpu.data import load_source
+from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel import make_parallelism
+from tf_multigpu.parallel.layouts import POLICIES, assign_specs, parse_rules
+from tf_multigpu.parallel.memory import bytes_per_device
+from tf_multigpu.training.loop import build_model_and_optimizer
+
+MESH_1X4 = "batch:1,model:4"
+
+
+def _build(devices, model, dataset, layout="filter_split", strategy="model", mesh=MESH_1X4, n=4):
+    source = load_source(dataset)
+    cfg = Config(run_dir="unused", strategy=strategy, model=model, dataset=dataset, batch_size=32,
+                 mesh=mesh, layout=layout)
+    par = make_parallelism(strategy, devices[:n], 32, mesh=mesh, layout=layout)
+    model_, optimizer = build_model_and_optimizer(cfg, par, source, 10)
+    return par, model_, optimizer
+
+
+def test_each_split_kernel_holds_one_mth_per_device(devices):
+    par, model, optimizer = _build(devices, "alexnet", "synthetic")
+    split = [v for v in model.trainable_weights if "model" in par.specs[v.path]]
+    assert {v.path.split("/")[1] for v in split} == {
+        "conv1", "conv2", "conv3", "conv4", "conv5", "fc6", "fc7", "logits"}
+    for v in split:
+        assert np.prod(par.local_shape(v)) * 4 == np.prod(v.shape), v.path
+    for slot in optimizer.variables:   # momentum slots follow their variables
+        if len(slot.shape) == 4:
+            assert par.local_shape(slot)[-1] * 4 == slot.shape[-1], slot.path
+
+
+def test_filter_split_alexnet_on_4_devices_needs_at_most_27_percent(devices):
+    par, model, optimizer = _build(devices, "alexnet", "synthetic")
+    split = bytes_per_device(model, optimizer, par)
+    replicated = make_parallelism("single", devices[:1], 32)
+    full = bytes_per_device(model, optimizer, replicated)   # same variables, counted whole
+    ratio = (split["parameters"] + split["optimizer_slots"]) / (full["parameters"] + full["optimizer_slots"])
+    assert ratio <= 0.27, ratio
+    assert split["activations"] < full["activations"]
+
+
+def test_layout_rules_are_checked():
+    shapes = {"m/conv1/kernel": (3, 3, 1, 32), "m/conv1/bias": (32,), "m/fc1/kernel": (512, 256),
+              "m/fc1/bias": (256,), "m/logits/kernel": (256, 10), "m/logits/bias": (10,)}
+    specs = assign_specs(shapes, POLICIES["filter_split"], {"batch": 1, "model": 4})
+    assert specs["m/conv1/kernel"] == ["-", "-", "-", "model"]
+    assert specs["m/logits/kernel"] == ["-", "-"]          # 10 classes do not split 4 ways
+    with pytest.raises(UsageError, match="match no variable"):
+        assign_specs(shapes, parse_rules(".*conv9/kernel=-,-,-,model"), {"batch": 1, "model": 2})
+    with pytest.raises(UsageError, match=r"dimension 3 \(32\) does not divide by the 3 devices"):
+        assign_specs(shapes, parse_rules(".*conv1/kernel=-,-,-,model"), {"batch": 1, "model": 3})
+    with pytest.raises(UsageError, match="one entry per dimension"):
+        assign_specs(shapes, parse_rules(".*fc1/kernel=model"), {"batch": 1, "model": 2})
+    with pytest.raises(UsageError, match="is not REGEX=SPEC"):
+        parse_rules("conv1")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--strategy=hybrid", "--cpu_devices=4", "--mesh=batch:4,model:1"], "--strategy=hybrid needs both mesh axes > 1"),
+    (["--strategy=model", "--cpu_devices=2", "--mesh=batch:2,model:2"], "needs 4 devices but 2 are used"),
+    (["--strategy=model", "--mesh=model:two"], "is not batch:B,model:M"),
+    (["--strategy=model", "--layout=pipeline"], "unknown --layout='pipeline': choose one of filter_split, fc_only"),
+    (["--strategy=model", "--layout_rules=.*conv9/kernel=-,-,-,model"], "match no variable"),
+    (["--strategy=model", "--cpu_devices=3", "--batch_size=63"], "conv1/kernel dimension 3 (32) does not divide by the 3 devices"),
+    (["--strategy=data", "--mesh=batch:2,model:1"], "--mesh applies to --strategy=model or hybrid"),
+])
+def test_bad_meshes_and_layouts_exit_2(tmp_path, flags, needle):
+    done = run_cli(f"--run_dir={tmp_path / 'run'}", *flags)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert needle in done.stderr.strip().splitlines()[-1], done.stderr[-1000:]
+    assert not os.path.exists(tmp_path / "run")
+
+
+def _weights(run_dir):
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(os.path.join(run_dir, "checkpoints")))
+    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if "/kernel" in k or "_trainable" in k}
+
+
+@pytest.mark.slow
+def test_checkpoint_from_2x2_resumes_on_1x4_and_on_one_device(tmp_path):
+    # Dropout masks depend on how the batch is laid out, so the cross-mesh comparison uses the
+    # same network without dropout; everything else is the default run.
+    common = ["--steps=8", "--checkpoint_every=4", "--batch_size=32", "--seed=2",
+              "--model=tests.user_models:small_convnet_no_dropout"]
+    whole = str(tmp_path / "whole")
+    assert run_cli(f"--run_dir={whole}", "--strategy=hybrid", "--cpu_devices=4", *common).returncode == 0
+    for name, flags in [("mesh1x4", ["--strategy=model", "--cpu_devices=4"]), ("single", ["--strategy=single"])]:
+        resumed = str(tmp_path / name)
+        shutil.copytree(whole, resumed)
+        ckpt_dir = os.path.join(resumed, "checkpoints")
+        for f in glob.glob(os.path.join(ckpt_dir, "ckpt-8*")):
+            os.remove(f)
+        tf.compat.v1.train.update_checkpoint_state(ckpt_dir, os.path.join(ckpt_dir, "ckpt-4"))
+        done = run_cli(f"--run_dir={resumed}", *flags, *common)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "steps 4..8" in done.stdout
+        a, b = _weights(whole), _weights(resumed)
+        for key in a:   # other meshes sum in other orders: equal to fp32 rounding, not bitwise
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-6, err_msg=f"{name} {key}")
+
+
+@pytest.mark.slow
+def test_hybrid_learns_digits_like_data_parallel(tmp_path):
+    results = {}
+    for strategy in ("data", "hybrid"):
+        done = run_cli(f"--run_dir={tmp_path / strategy}", f"--strategy={strategy}", "--cpu_devices=4", timeout=400)
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[strategy] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results["hybrid"]["test_accuracy"] >= results["data"]["test_accuracy"] - 0.01
+    assert results["hybrid"]["test_accuracy"] >= 0.97
