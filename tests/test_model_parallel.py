@@ -6,12 +6,14 @@ import glob
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.errors import UsageError
@@ -123,3 +125,36 @@ def test_hybrid_learns_digits_like_data_parallel(tmp_path):
         results[strategy] = json.loads(done.stdout.strip().splitlines()[-1])
     assert results["hybrid"]["test_accuracy"] >= results["data"]["test_accuracy"] - 0.01
     assert results["hybrid"]["test_accuracy"] >= 0.97
+    # The export (a plain one-device model from the mesh's values) predicts what the trained
+    # mesh model measured, and equals an export of the same checkpoint made on one device.
+    run_dir = str(tmp_path / "hybrid")
+    again = subprocess.run([sys.executable, "-m", "tf_multigpu.export_main", f"--run_dir={run_dir}",
+                            f"--export_dir={tmp_path / 'one_device_export'}"], cwd=REPO,
+                           capture_output=True, text=True, timeout=200)
+    assert again.returncode == 0, again.stderr[-2000:]
+    served = _serve_digits([os.path.join(run_dir, "export"), str(tmp_path / "one_device_export")])
+    assert abs(served[0]["accuracy"] - results["hybrid"]["test_accuracy"]) < 1e-9
+    np.testing.assert_allclose(served[0]["probabilities"], served[1]["probabilities"], atol=1e-6)
+
+
+def _serve_digits(exports):
+    """Class ids, probabilities and accuracy of each export on the digits test split, served
+    by a fresh process that imports only TensorFlow (and scikit-learn for the data)."""
+    code = """
+import json, sys, numpy as np, tensorflow as tf
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+d = load_digits()
+_, x, _, y = train_test_split(d.images.astype(np.uint8)[..., None], d.target, test_size=0.2,
+                              random_state=0, stratify=d.target)
+out = []
+for path in sys.argv[1:]:
+    r = tf.saved_model.load(path).signatures["serving_default"](images=tf.constant(x))
+    out.append({"accuracy": float((r["class_ids"].numpy() == y).mean()),
+                "probabilities": r["probabilities"].numpy().tolist()})
+print(json.dumps(out))
+"""
+    done = subprocess.run([sys.executable, "-c", code, *exports], capture_output=True, text=True,
+                          cwd=REPO, timeout=200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,15 +1,25 @@
 """SavedModel export of a trained network, as a plain single-device model ready to serve.
 
 We export from weights, not from the live distributed state: the caller builds a fresh
-single-device model, loads the trained values into it, and passes it here. The
-`serving_default` signature takes images as the data set stores them (any batch size) and
-returns class probabilities and class ids; the preprocessing is inside the graph, so a client
-needs nothing of ours. Writing goes to a temporary directory that replaces the old export
-only once complete, so a failed export never destroys the previous one.
+single-device model, loads the trained values into it, and passes it here. Two signatures:
+
+- `serving_default`: images as the data set stores them (uint8, any batch size);
+- `serving_float`: the same pixels as float32, on the same scale (0..16 for digits, 0..255
+  for photos), for clients that already hold floats.
+
+Both return `probabilities` and `class_ids`; the preprocessing is inside the graph, so a
+client needs nothing of ours. Next to the SavedModel's own files go `assets.extra/
+metadata.json` (what was exported, from where, how good it is) and `assets.extra/model.keras`
+(the same plain model as a Keras file: logits out, no preprocessing). `assets.extra` is TF
+Serving's place for extra files; the SavedModel loader ignores it.
+
+Everything is written to a staging directory beside the target, which replaces the old
+export only once complete: a failed export never destroys or alters the previous one.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -21,11 +31,64 @@ from tf_multigpu.data.source import ImageSource
 from tf_multigpu.errors import UsageError
 
 SIGNATURE = "serving_default"
+FLOAT_SIGNATURE = "serving_float"
+INPUT_NAME = "images"
 METADATA_FILE = os.path.join("assets.extra", "metadata.json")   # TF Serving's place for extras
+KERAS_FILE = os.path.join("assets.extra", "model.keras")
+SAVED_MODEL_FILE = "saved_model.pb"
 
 
-def export_saved_model(model: keras.Model, source: ImageSource, export_dir: str, metadata: dict) -> str:
-    """Writes `model` with preprocessing as a SavedModel at `export_dir`; returns the path."""
+def export_saved_model(model: keras.Model, source: ImageSource, export_dir: str, metadata: dict,
+                       *, checkpoint: str | None = None) -> str:
+    """Writes `model` with preprocessing as a SavedModel at `export_dir`; returns the path.
+
+    `metadata` (config, metrics, step...) goes to assets.extra/metadata.json, completed with
+    what the export itself knows (input shape and dtype, class names, signatures, versions,
+    and `checkpoint`, the checkpoint the weights came from, when the caller knows it).
+    """
+    export_dir = os.path.abspath(export_dir)
+    check_export_dir(export_dir)
+    archive = _serving_archive(model, source)
+    staging = f"{export_dir}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(export_dir), exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        archive.write_out(staging, verbose=False)
+        os.makedirs(os.path.join(staging, "assets.extra"), exist_ok=True)
+        model.save(os.path.join(staging, KERAS_FILE))
+        with open(os.path.join(staging, METADATA_FILE), "w") as f:
+            json.dump(_full_metadata(metadata, source, checkpoint), f, indent=2, sort_keys=True, default=str)
+        _replace_dir(staging, export_dir)
+    except (OSError, tf.errors.OpError) as e:   # write_out reports through tf.io.gfile: OpError
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UsageError(f"cannot write the export to {export_dir} ({_reason(e)}): "
+                         "choose a writable --export_dir or free space; the previous export is untouched") from None
+    return export_dir
+
+
+def check_export_dir(export_dir: str) -> None:
+    """Refuses a target that cannot be written (under a file) or is not ours to replace (a
+    file, or a directory with other contents).
+
+    The export replaces the whole directory, so a mistyped --export_dir=$HOME must not be
+    taken for an old export.
+    """
+    if os.path.isfile(export_dir):
+        raise UsageError(f"--export_dir={export_dir} is a file: give a new directory or an earlier export")
+    ancestor = os.path.dirname(export_dir)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"cannot write the export to {export_dir}: {ancestor} is a file, not a directory; "
+                         "choose another --export_dir")
+    if os.path.isdir(export_dir) and os.listdir(export_dir) and not os.path.exists(
+            os.path.join(export_dir, SAVED_MODEL_FILE)):
+        raise UsageError(f"--export_dir={export_dir} holds files that are not a SavedModel: "
+                         "give a new directory or an earlier export (it is replaced as a whole)")
+
+
+def _serving_archive(model: keras.Model, source: ImageSource) -> keras.export.ExportArchive:
+    """The model with both serving signatures; they differ only in the input dtype."""
     archive = keras.export.ExportArchive()
     archive.track(model)
 
@@ -36,25 +99,48 @@ def export_saved_model(model: keras.Model, source: ImageSource, export_dir: str,
             "class_ids": tf.argmax(logits, axis=-1, output_type=tf.int32),
         }
 
-    spec = tf.TensorSpec([None, *source.image_shape], source.pixel_dtype, name="images")
-    archive.add_endpoint(SIGNATURE, serve, input_signature=[spec])
+    shape = [None, *source.image_shape]
+    archive.add_endpoint(SIGNATURE, serve, input_signature=[
+        tf.TensorSpec(shape, source.pixel_dtype, name=INPUT_NAME)])
+    archive.add_endpoint(FLOAT_SIGNATURE, serve, input_signature=[
+        tf.TensorSpec(shape, tf.float32, name=INPUT_NAME)])
+    return archive
 
-    export_dir = os.path.abspath(export_dir)
-    parent = os.path.dirname(export_dir)
-    staging = f"{export_dir}.tmp-{os.getpid()}"
-    try:
-        os.makedirs(parent, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        archive.write_out(staging, verbose=False)
-        os.makedirs(os.path.join(staging, "assets.extra"), exist_ok=True)
-        with open(os.path.join(staging, METADATA_FILE), "w") as f:
-            json.dump(metadata, f, indent=2, sort_keys=True, default=str)
-        _replace_dir(staging, export_dir)
-    except OSError as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise UsageError(f"cannot write the export to {export_dir} ({e.strerror or e}): "
-                         "choose a writable --export_dir or free space; the previous export is untouched") from None
-    return export_dir
+
+def _full_metadata(metadata: dict, source: ImageSource, checkpoint: str | None) -> dict:
+    """The caller's metadata, completed with what describes the export itself."""
+    from tf_multigpu import __version__
+
+    shape = [None, *source.image_shape]
+    outputs = {"probabilities": {"dtype": "float32", "shape": [None, source.num_classes]},
+               "class_ids": {"dtype": "int32", "shape": [None]}}
+    defaults = {
+        "class_names": list(source.class_names),
+        "input_shape": list(source.image_shape),
+        "pixel_dtype": source.pixel_dtype.name,
+        "pixel_max": source.pixel_max,
+        "checkpoint": checkpoint,
+    }
+    return {
+        **defaults, **metadata,
+        "signatures": {
+            SIGNATURE: {"inputs": {INPUT_NAME: {"dtype": source.pixel_dtype.name, "shape": shape}},
+                        "outputs": outputs},
+            FLOAT_SIGNATURE: {"inputs": {INPUT_NAME: {"dtype": "float32", "shape": shape}},
+                              "outputs": outputs},
+        },
+        "keras_file": KERAS_FILE,
+        "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"tf_multigpu": __version__, "tensorflow": tf.__version__, "keras": keras.__version__},
+    }
+
+
+def _reason(error: Exception) -> str:
+    """The cause of a write error, without the path (the message names it once already)."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = (getattr(error, "message", None) or str(error) or type(error).__name__).strip()
+    return text.splitlines()[0].rsplit("; ", 1)[-1][:200]   # tf.io.gfile writes "PATH; REASON"
 
 
 def _replace_dir(new: str, target: str) -> None:

@@ -109,7 +109,8 @@ def train(cfg: Config, devices: list[str]) -> dict:
         _plain_copy(cfg, source, model, par), source, paths.export,
         metadata={"config": cfg.__dict__, "class_names": list(source.class_names),
                   "input_shape": list(source.image_shape), "pixel_dtype": source.pixel_dtype.name,
-                  "metrics": test_metrics, "step": total_steps})
+                  "metrics": test_metrics, "step": total_steps},
+        checkpoint=manager.latest_checkpoint)
     summary = {
         "step": total_steps, "strategy": par.name, "devices": par.devices,
         "model": cfg.model, "dataset": source.name, "global_batch": cfg.batch_size,

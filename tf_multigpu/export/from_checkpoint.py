@@ -1,0 +1,140 @@
+"""Exporting a run's checkpoint after the fact, whatever strategy trained it.
+
+`export_from_checkpoint(run_dir)` reads the run's config.json, rebuilds its data source and
+the plain single-device model, restores the model part of a training checkpoint into it,
+measures it on the test split, and writes the same export as the end of a training run.
+
+A training checkpoint holds the model, the optimizer (slots, step) and the dropout RNG
+state; only the model is needed here, so the restore is partial (`expect_partial`). Every
+weight of the model must come from the checkpoint, though: a weight left at its random
+initial value would serve garbage without a warning, so it is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import keras
+import tensorflow as tf
+
+from tf_multigpu.config import load_config
+from tf_multigpu.data import load_source
+from tf_multigpu.data.source import ImageSource
+from tf_multigpu.errors import UsageError
+from tf_multigpu.export.saved_model import check_export_dir, export_saved_model
+from tf_multigpu.models import build_model
+
+# The run directory layout of training/run_dir.py (RunPaths), restated here because export
+# sits below training in the import order; tests check that the two agree.
+CONFIG_FILE = "config.json"
+CHECKPOINT_DIR = "checkpoints"
+EXPORT_DIR = "export"
+_STEP_KEY = "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"
+_EVAL_BATCH = 256
+
+
+def export_from_checkpoint(run_dir: str, checkpoint: str | None = None, export_dir: str | None = None,
+                           evaluate: bool = True) -> dict:
+    """Exports a checkpoint of the run in `run_dir` (default: its latest) to `export_dir`
+    (default: RUN_DIR/export); returns the metadata written, with `export_dir` added."""
+    cfg = _load_run_config(run_dir)
+    checkpoint = find_checkpoint(run_dir, checkpoint)
+    export_dir = os.path.abspath(export_dir or os.path.join(run_dir, EXPORT_DIR))
+    check_export_dir(export_dir)   # before the (possibly long) build and evaluation
+
+    source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size)
+    model = build_model(cfg.model, source.image_shape, source.num_classes)
+    restore_weights(model, checkpoint)
+    metadata = {
+        "config": dataclasses.asdict(cfg),
+        "metrics": evaluate_model(model, source) if evaluate else {},
+        "step": checkpoint_step(checkpoint),
+    }
+    path = export_saved_model(model, source, export_dir, metadata, checkpoint=checkpoint)
+    return {**metadata, "checkpoint": checkpoint, "export_dir": path}
+
+
+def find_checkpoint(run_dir: str, checkpoint: str | None = None) -> str:
+    """The checkpoint prefix to export: `checkpoint` (a prefix, or a directory meaning its
+    latest), else the latest checkpoint of the run."""
+    if checkpoint is None:
+        found = tf.train.latest_checkpoint(os.path.join(run_dir, CHECKPOINT_DIR))
+        if not found:
+            raise UsageError(f"--run_dir={run_dir} has no checkpoint in {CHECKPOINT_DIR}/: train it first "
+                             f"(tf-multigpu-train --run_dir={run_dir}) or pass --checkpoint=PATH")
+        return found
+    if os.path.isdir(checkpoint):
+        found = tf.train.latest_checkpoint(checkpoint)
+        if not found:
+            raise UsageError(f"--checkpoint={checkpoint} is a directory without checkpoints: "
+                             "give a checkpoint prefix such as RUN_DIR/checkpoints/ckpt-100")
+        return found
+    if not tf.io.gfile.exists(checkpoint + ".index"):
+        raise UsageError(f"--checkpoint={checkpoint} is not a checkpoint (no {checkpoint}.index): "
+                         "give a prefix such as RUN_DIR/checkpoints/ckpt-100, without .index")
+    return checkpoint
+
+
+def restore_weights(model: keras.Model, checkpoint: str) -> None:
+    """Loads every weight of `model` from a training checkpoint; UsageError if any is missing."""
+    try:
+        status = tf.train.Checkpoint(model=model).restore(checkpoint).expect_partial()
+    except Exception as e:  # noqa: BLE001  shape mismatch: ValueError; truncated file: IndexError...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"checkpoint {checkpoint} does not fit the run's model ({first[:200]}): "
+                         "pass a --checkpoint of this run") from None
+    try:
+        # Fails for every weight of the model that found no value in the checkpoint. (The
+        # dropout RNG state is not a checkpoint dependency of the model, so it is not asked for.)
+        status.assert_existing_objects_matched()
+    except AssertionError as e:
+        missing = re.findall(r"path=([^\s,]+)", str(e))
+        listed = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise UsageError(f"checkpoint {checkpoint} holds no value for {len(missing) or 'some'} weight(s) of "
+                         f"the model ({listed or model.name}): it is not a checkpoint of this run's model; "
+                         "pass a --checkpoint of this run") from None
+
+
+def checkpoint_step(checkpoint: str) -> int | None:
+    """The training step a checkpoint was taken at (the optimizer's iteration count)."""
+    reader = tf.train.load_checkpoint(checkpoint)
+    if reader.has_tensor(_STEP_KEY):
+        return int(reader.get_tensor(_STEP_KEY))
+    suffix = re.search(r"-(\d+)$", checkpoint)   # CheckpointManager names them ckpt-STEP
+    return int(suffix.group(1)) if suffix else None
+
+
+def evaluate_model(model: keras.Model, source: ImageSource) -> dict:
+    """Test loss and accuracy of `model` on the test split, fed stored pixels through
+    `source.preprocess` exactly as the serving signature does."""
+    @tf.function
+    def sums(images, labels):
+        logits = model(source.preprocess(images), training=False)
+        loss = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+        hits = tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), tf.cast(labels, tf.int32))
+        return tf.reduce_sum(loss), tf.reduce_sum(tf.cast(hits, tf.float32))
+
+    loss_sum = correct = count = 0.0
+    batches = source.test_records().map(lambda r, y: (source.decode(r), y)).batch(_EVAL_BATCH)
+    for images, labels in batches:
+        loss, hits = sums(images, labels)
+        loss_sum, correct, count = loss_sum + float(loss), correct + float(hits), count + len(labels)
+    if not count:
+        return {}
+    return {"test_loss": loss_sum / count, "test_accuracy": correct / count}
+
+
+def _load_run_config(run_dir: str):
+    """The run's config.json; UsageError naming the fix when the run directory is not a run."""
+    if not os.path.isdir(run_dir):
+        raise UsageError(f"--run_dir={run_dir} is not a directory: give the --run_dir of a training run")
+    path = os.path.join(run_dir, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise UsageError(f"--run_dir={run_dir} has no {CONFIG_FILE}: give the --run_dir of a training run")
+    try:
+        return load_config(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise UsageError(f"{path} is unreadable ({str(e).splitlines()[0][:200]}): "
+                         "give the --run_dir of a training run") from None

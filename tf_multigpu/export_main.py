@@ -1,0 +1,75 @@
+"""tf-multigpu-export: export a run's checkpoint as a SavedModel (also
+`python -m tf_multigpu.export_main`).
+
+Intentionally short: parse flags and call `tf_multigpu.export.export_from_checkpoint`. The
+export is the same as the one a training run writes at its end, from whatever strategy
+trained it. Bad input prints one line and exits 2; on success one JSON line describes the
+export. The flags are defined here, not in config/flags.py: they belong to this command
+only, and importing the training flags would put them all in --help.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up chatter off the console
+
+from absl import app, flags, logging  # noqa: E402
+
+from tf_multigpu.errors import UsageError  # noqa: E402
+
+USAGE_ERROR = 2
+PROG = "tf-multigpu-export"
+
+flags.DEFINE_string("run_dir", None, "The --run_dir of a training run (required).")
+flags.DEFINE_string("checkpoint", None, "Checkpoint prefix to export, e.g. RUN_DIR/checkpoints/ckpt-100, "
+                    "or a directory meaning its latest checkpoint (default: the run's latest).")
+flags.DEFINE_string("export_dir", None, "Where to write the export (default: RUN_DIR/export). An "
+                    "earlier export there is replaced only once the new one is complete.")
+flags.DEFINE_bool("evaluate", True, "Measure the exported weights on the test split for the metadata "
+                  "(--noevaluate skips it on large test sets; the metrics are then empty).")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+    if not FLAGS.run_dir:
+        _fail("--run_dir is required: give the --run_dir of a training run")
+    logging.set_verbosity(logging.WARNING)
+    try:
+        from tf_multigpu.export import export_from_checkpoint   # imports TensorFlow
+        result = export_from_checkpoint(FLAGS.run_dir, FLAGS.checkpoint, FLAGS.export_dir, FLAGS.evaluate)
+    except UsageError as e:
+        _fail(str(e))
+    print(json.dumps({k: result[k] for k in ("export_dir", "checkpoint", "step", "metrics")},
+                     sort_keys=True), flush=True)
+
+
+def _parse_flags(argv):
+    """absl's parser, but a bad flag is a usage error: one line, exit status 2."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e} (see --help)")
+
+
+def _fail(message: str):
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(USAGE_ERROR)
+
+
+_OWN_FLAGS = ("run_dir", "checkpoint", "export_dir", "evaluate")
+
+
+def run():
+    """Console-script entry point."""
+    # absl's --help lists the flags of the module that sys.argv[0] names; for a console script
+    # that is the installed wrapper, so list ours under it too.
+    for name in _OWN_FLAGS:
+        FLAGS.register_flag_by_module(sys.argv[0], FLAGS[name])
+    app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    run()
