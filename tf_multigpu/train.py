@@ -48,6 +48,10 @@ def _fail(message: str):
 
 def run():
     """Console-script entry point."""
+    # absl's --help lists the flags of the module sys.argv[0] names (this file, or the
+    # installed console-script wrapper); ours are defined in config/flags.py, so list them there.
+    for flag in flags.FLAGS.get_flags_for_module(run_flags):
+        flags.FLAGS.register_flag_by_module(sys.argv[0], flag)
     app.run(main, flags_parser=_parse_flags)
 
 
