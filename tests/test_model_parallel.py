@@ -158,3 +158,14 @@ print(json.dumps(out))
                           cwd=REPO, timeout=200)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_model_parallel_export_predicts_what_the_mesh_model_measured(tmp_path):
+    run_dir = str(tmp_path / "model")
+    done = run_cli(f"--run_dir={run_dir}", "--strategy=model", "--cpu_devices=2", "--steps=40")
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    served = _serve_digits([os.path.join(run_dir, "export")])
+    assert abs(served[0]["accuracy"] - summary["test_accuracy"]) < 1e-9
+    assert summary["test_accuracy"] > 0.5
