@@ -20,7 +20,6 @@ from tf_multigpu.errors import UsageError
 from tf_multigpu.export import KERAS_FILE, METADATA_FILE, export_saved_model, from_checkpoint
 from tf_multigpu.models import build_model
 from tf_multigpu.training import loop
-from tf_multigpu.training.run_dir import RunPaths
 
 USAGE_ERROR = 2
 STRATEGIES = {"single": 1, "data": 2}   # strategy -> logical devices
@@ -268,9 +267,3 @@ def test_only_an_export_or_an_empty_directory_is_replaced(runs, tmp_path):
         export_saved_model(model, source, str(tmp_path / "notes.txt"), {})
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
-
-def test_run_layout_agrees_with_training():
-    paths = RunPaths("r")
-    assert paths.config == os.path.join("r", from_checkpoint.CONFIG_FILE)
-    assert paths.checkpoints == os.path.join("r", from_checkpoint.CHECKPOINT_DIR)
-    assert paths.export == os.path.join("r", from_checkpoint.EXPORT_DIR)

@@ -38,7 +38,7 @@ def load_tfds_source(name: str, data_dir=None, image_size: int = 0) -> ImageSour
 
     try:
         train, test = records("train"), records(test_split)
-    except (AssertionError, FileNotFoundError, tf.errors.NotFoundError) as e:
+    except (AssertionError, FileNotFoundError, tf.errors.NotFoundError):
         where = data_dir or "TFDS' default data directory"
         raise UsageError(f"--dataset=tfds:{name} is not prepared in {where}: run `tfds build {name} "
                          f"--data_dir=DIR` where the data can be downloaded, then pass --data_dir=DIR") from None

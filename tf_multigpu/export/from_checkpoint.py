@@ -19,18 +19,13 @@ import re
 import keras
 import tensorflow as tf
 
-from tf_multigpu.config import load_config
+from tf_multigpu.config import RunPaths, load_config
 from tf_multigpu.data import load_source
 from tf_multigpu.data.source import ImageSource
 from tf_multigpu.errors import UsageError
 from tf_multigpu.export.saved_model import check_export_dir, export_saved_model
 from tf_multigpu.models import build_model
 
-# The run directory layout of training/run_dir.py (RunPaths), restated here because export
-# sits below training in the import order; tests check that the two agree.
-CONFIG_FILE = "config.json"
-CHECKPOINT_DIR = "checkpoints"
-EXPORT_DIR = "export"
 _STEP_KEY = "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"
 _EVAL_BATCH = 256
 
@@ -41,7 +36,7 @@ def export_from_checkpoint(run_dir: str, checkpoint: str | None = None, export_d
     (default: RUN_DIR/export); returns the metadata written, with `export_dir` added."""
     cfg = _load_run_config(run_dir)
     checkpoint = find_checkpoint(run_dir, checkpoint)
-    export_dir = os.path.abspath(export_dir or os.path.join(run_dir, EXPORT_DIR))
+    export_dir = os.path.abspath(export_dir or RunPaths(run_dir).export)
     check_export_dir(export_dir)   # before the (possibly long) build and evaluation
 
     source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size)
@@ -60,9 +55,9 @@ def find_checkpoint(run_dir: str, checkpoint: str | None = None) -> str:
     """The checkpoint prefix to export: `checkpoint` (a prefix, or a directory meaning its
     latest), else the latest checkpoint of the run."""
     if checkpoint is None:
-        found = tf.train.latest_checkpoint(os.path.join(run_dir, CHECKPOINT_DIR))
+        found = tf.train.latest_checkpoint(RunPaths(run_dir).checkpoints)
         if not found:
-            raise UsageError(f"--run_dir={run_dir} has no checkpoint in {CHECKPOINT_DIR}/: train it first "
+            raise UsageError(f"--run_dir={run_dir} has no checkpoint in checkpoints/: train it first "
                              f"(tf-multigpu-train --run_dir={run_dir}) or pass --checkpoint=PATH")
         return found
     if os.path.isdir(checkpoint):
@@ -130,9 +125,9 @@ def _load_run_config(run_dir: str):
     """The run's config.json; UsageError naming the fix when the run directory is not a run."""
     if not os.path.isdir(run_dir):
         raise UsageError(f"--run_dir={run_dir} is not a directory: give the --run_dir of a training run")
-    path = os.path.join(run_dir, CONFIG_FILE)
+    path = RunPaths(run_dir).config
     if not os.path.exists(path):
-        raise UsageError(f"--run_dir={run_dir} has no {CONFIG_FILE}: give the --run_dir of a training run")
+        raise UsageError(f"--run_dir={run_dir} has no config.json: give the --run_dir of a training run")
     try:
         return load_config(path)
     except (OSError, ValueError, TypeError) as e:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["split_conv2d", "split_conv2d_sharded_input", "conv_output_size"]
+__all__ = ["split_conv2d"]
 
 
 def _same_pads(n: int, k: int, s: int) -> tuple[int, int]:
@@ -39,11 +39,6 @@ def _same_pads(n: int, k: int, s: int) -> tuple[int, int]:
     out = -(-n // s)
     total = max((out - 1) * s + k - n, 0)
     return total // 2, total - total // 2
-
-
-def conv_output_size(n: int, k: int, s: int, padding: str) -> int:
-    """Spatial output size of tf.nn.conv2d along one dimension."""
-    return -(-n // s) if padding == "SAME" else (n - k) // s + 1
 
 
 def _space_to_depth(x, w, s: int, padding: str):
@@ -140,8 +135,8 @@ def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True):
     that DTensor accepts with `kernel` sharded on its output channels.
 
     Layouts under DTensor (mesh ("batch", B) x ("model", M)):
-      x      ["batch", U, U, U]        (replicated on `model`; see split_conv2d_sharded_input
-                                        for a channel-sharded input)
+      x      ["batch", U, U, U]        (replicated on `model`: a channel-sharded input is
+                                        gathered first, see split_layers.SplitConv2D)
       kernel [U, U, U, "model"]
       y      ["batch", U, U, "model"]   local channels cout / M
       dkernel like kernel; dx ["batch", U, U, U] after ONE all-reduce over `model`.
@@ -167,30 +162,6 @@ def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True):
     elif padding == "SAME":
         pads = (_same_pads(x.shape[1], kh, 1), _same_pads(x.shape[2], kw, 1))
     return _conv_s1(x, kernel, pads, need_input_grad)
-
-
-def split_conv2d_sharded_input(x, kernel, strides=1, padding="SAME", need_input_grad=True,
-                               input_layout=None):
-    """split_conv2d for an input that is itself channel-sharded (["batch",U,U,"model"], e.g.
-    the output of a previous split conv).
-
-    The contraction runs over all input channels while each device's kernel shard holds all of
-    them for its own output channels, so each device needs the whole input: ONE explicit
-    all-gather of x over `model` (`dtensor.relayout` to `input_layout`, normally
-    ["batch",U,U,U]), named `split_conv_gather_input` so it is visible in graph dumps rather
-    than hidden in an op's expansion.  Its gradient is a local slice (no communication), so the
-    backward still has exactly one `model` all-reduce (dx).
-
-    Args:
-      input_layout: the dtensor.Layout to gather x into (["batch",U,U,U] on the mesh); None on
-        plain tensors, where this is split_conv2d.  Passed explicitly because layouts cannot be
-        read from symbolic tensors inside a tf.function.
-    """
-    if input_layout is not None:
-        from tensorflow.experimental import dtensor  # only DTensor users need it
-
-        x = dtensor.relayout(x, input_layout, name="split_conv_gather_input")
-    return split_conv2d(x, kernel, strides, padding, need_input_grad)
 
 
 def _stride(strides) -> int:

@@ -67,7 +67,7 @@ class DistributeParallelism:
         """Variables (model, optimizer slots) created here are mirrored on every device."""
         return self.strategy.scope()
 
-    def build_model(self, build: Callable) -> "keras.Model":
+    def build_model(self, build: Callable):
         """Builds the model with its variables mirrored on every device."""
         with self.scope():
             return build()
@@ -108,6 +108,6 @@ class DistributeParallelism:
         """Activations are split on the batch only."""
         return 1
 
-    def to_numpy(self, variable) -> "numpy.ndarray":
+    def to_numpy(self, variable):
         """The value of a (mirrored) variable, as one array."""
         return variable.numpy()

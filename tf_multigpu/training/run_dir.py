@@ -7,41 +7,15 @@ be valid: a config that computes something else, or an unreadable checkpoint, is
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
 import tensorflow as tf
 
-from tf_multigpu.config import Config, check_resumable, load_config
+from tf_multigpu.config import Config, RunPaths, check_resumable, load_config
 from tf_multigpu.errors import UsageError
 
 KEEP_CHECKPOINTS = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class RunPaths:
-    root: str
-
-    @property
-    def config(self):
-        return os.path.join(self.root, "config.json")
-
-    @property
-    def checkpoints(self):
-        return os.path.join(self.root, "checkpoints")
-
-    @property
-    def tensorboard(self):
-        return os.path.join(self.root, "tensorboard")
-
-    @property
-    def summary(self):
-        return os.path.join(self.root, "summary.json")
-
-    @property
-    def export(self):
-        return os.path.join(self.root, "export")
 
 
 def check_previous_run(cfg: Config) -> RunPaths:

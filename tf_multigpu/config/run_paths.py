@@ -1,0 +1,34 @@
+"""Where a run's files live under --run_dir; shared by training and export.
+
+Layout: config.json, checkpoints/, tensorboard/, summary.json, export/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    root: str
+
+    @property
+    def config(self):
+        return os.path.join(self.root, "config.json")
+
+    @property
+    def checkpoints(self):
+        return os.path.join(self.root, "checkpoints")
+
+    @property
+    def tensorboard(self):
+        return os.path.join(self.root, "tensorboard")
+
+    @property
+    def summary(self):
+        return os.path.join(self.root, "summary.json")
+
+    @property
+    def export(self):
+        return os.path.join(self.root, "export")
