@@ -1,4 +1,11 @@
-"""Shared test helpers: one training step under any strategy, and weight comparisons."""
+"""Shared test helpers: one training step under any strategy, weight comparisons, checkpoint
+surgery, and serving an export from a fresh TensorFlow-only process."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -36,3 +43,45 @@ def max_update_difference(before, after_a, after_b):
         assert scale > 0, "a variable did not change: the step is not training it"
         worst = max(worst, float(np.abs((a - w0) - delta_b).max() / scale))
     return worst
+
+
+def checkpoint_values(run_dir):
+    """Every saved variable of the run's latest checkpoint, by checkpoint key."""
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(os.path.join(run_dir, "checkpoints")))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH") and "save_counter" not in name}
+
+
+def keep_only_checkpoint(run_dir, step):
+    """Leaves the run directory as a run killed right after checkpoint `step` would."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    for f in glob.glob(os.path.join(ckpt_dir, "ckpt-*")):
+        if not os.path.basename(f).startswith(f"ckpt-{step}."):
+            os.remove(f)
+    tf.compat.v1.train.update_checkpoint_state(ckpt_dir, os.path.join(ckpt_dir, f"ckpt-{step}"))
+
+
+_SERVE_DIGITS = """
+import json, sys, numpy as np, tensorflow as tf
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+d = load_digits()
+_, x, _, y = train_test_split(d.images.astype(np.uint8)[..., None], d.target, test_size=0.2,
+                              random_state=0, stratify=d.target)
+out = []
+for path in sys.argv[1:]:
+    r = tf.saved_model.load(path).signatures["serving_default"](images=tf.constant(x))
+    out.append({"accuracy": float((r["class_ids"].numpy() == y).mean()),
+                "probabilities": r["probabilities"].numpy().tolist()})
+print(json.dumps(out))
+"""
+
+
+def serve_digits(exports):
+    """Accuracy and probabilities of each export on the digits test split, served by a fresh
+    process that imports only TensorFlow (and scikit-learn for the data)."""
+    from tests.conftest import REPO
+    done = subprocess.run([sys.executable, "-c", _SERVE_DIGITS, *exports], capture_output=True, text=True,
+                          cwd=REPO, timeout=200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -4,12 +4,12 @@ the default command trains on digits to >= 97% and exports a servable model."""
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
+import numpy as np
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import run_cli
+from tests.helpers import serve_digits
 
 USAGE_ERROR = 2
 
@@ -72,21 +72,7 @@ def test_default_command_learns_digits_and_exports_a_servable_model(tmp_path):
     assert summary["wall_time_s"] < 180
     assert json.load(open(os.path.join(run_dir, "summary.json"))) == summary
     # A fresh process that imports only TensorFlow serves the export: same accuracy.
-    serve = f"""
-import json, numpy as np, tensorflow as tf
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-d = load_digits()
-_, x, _, y = train_test_split(d.images.astype(np.uint8)[..., None], d.target, test_size=0.2,
-                              random_state=0, stratify=d.target)
-fn = tf.saved_model.load({run_dir + '/export'!r}).signatures["serving_default"]
-out = fn(images=tf.constant(x))
-print(json.dumps({{"accuracy": float((out["class_ids"].numpy() == y).mean()),
-                  "prob_sum": float(out["probabilities"].numpy().sum(axis=1).mean())}}))
-"""
-    served = subprocess.run([sys.executable, "-c", serve], capture_output=True, text=True, cwd=REPO,
-                            timeout=120)
-    assert served.returncode == 0, served.stderr[-2000:]
-    result = json.loads(served.stdout.strip().splitlines()[-1])
+    [result] = serve_digits([os.path.join(run_dir, "export")])
     assert abs(result["accuracy"] - summary["test_accuracy"]) < 1e-9
-    assert abs(result["prob_sum"] - 1.0) < 1e-5
+    np.testing.assert_allclose(np.sum(result["probabilities"], axis=1), 1.0, atol=1e-5)
+

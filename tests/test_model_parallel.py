@@ -2,7 +2,6 @@
 checkpoints across meshes. In-process DTensor checks use one mesh (1x4) only: a second mesh
 over other devices in one process can hang (BUILD_NOTES.md); other meshes run as commands."""
 
-import glob
 import json
 import os
 import shutil
@@ -11,9 +10,9 @@ import sys
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from tests.conftest import REPO, run_cli
+from tests.helpers import checkpoint_values, keep_only_checkpoint, serve_digits
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.errors import UsageError
@@ -88,11 +87,6 @@ def test_bad_meshes_and_layouts_exit_2(tmp_path, flags, needle):
     assert not os.path.exists(tmp_path / "run")
 
 
-def _weights(run_dir):
-    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(os.path.join(run_dir, "checkpoints")))
-    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if "/kernel" in k or "_trainable" in k}
-
-
 @pytest.mark.slow
 def test_checkpoint_from_2x2_resumes_on_1x4_and_on_one_device(tmp_path):
     # Dropout masks depend on how the batch is laid out, so the cross-mesh comparison uses the
@@ -104,15 +98,13 @@ def test_checkpoint_from_2x2_resumes_on_1x4_and_on_one_device(tmp_path):
     for name, flags in [("mesh1x4", ["--strategy=model", "--cpu_devices=4"]), ("single", ["--strategy=single"])]:
         resumed = str(tmp_path / name)
         shutil.copytree(whole, resumed)
-        ckpt_dir = os.path.join(resumed, "checkpoints")
-        for f in glob.glob(os.path.join(ckpt_dir, "ckpt-8*")):
-            os.remove(f)
-        tf.compat.v1.train.update_checkpoint_state(ckpt_dir, os.path.join(ckpt_dir, "ckpt-4"))
+        keep_only_checkpoint(resumed, 4)
         done = run_cli(f"--run_dir={resumed}", *flags, *common)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "steps 4..8" in done.stdout
-        a, b = _weights(whole), _weights(resumed)
-        for key in a:   # other meshes sum in other orders: equal to fp32 rounding, not bitwise
+        a, b = checkpoint_values(whole), checkpoint_values(resumed)
+        weights = [k for k in a if "/kernel" in k or "_trainable" in k]
+        for key in weights:   # other meshes sum in other orders: equal to fp32 rounding, not bitwise
             np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-6, err_msg=f"{name} {key}")
 
 
@@ -132,32 +124,10 @@ def test_hybrid_learns_digits_like_data_parallel(tmp_path):
                             f"--export_dir={tmp_path / 'one_device_export'}"], cwd=REPO,
                            capture_output=True, text=True, timeout=200)
     assert again.returncode == 0, again.stderr[-2000:]
-    served = _serve_digits([os.path.join(run_dir, "export"), str(tmp_path / "one_device_export")])
+    served = serve_digits([os.path.join(run_dir, "export"), str(tmp_path / "one_device_export")])
     assert abs(served[0]["accuracy"] - results["hybrid"]["test_accuracy"]) < 1e-9
     np.testing.assert_allclose(served[0]["probabilities"], served[1]["probabilities"], atol=1e-6)
 
-
-def _serve_digits(exports):
-    """Class ids, probabilities and accuracy of each export on the digits test split, served
-    by a fresh process that imports only TensorFlow (and scikit-learn for the data)."""
-    code = """
-import json, sys, numpy as np, tensorflow as tf
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-d = load_digits()
-_, x, _, y = train_test_split(d.images.astype(np.uint8)[..., None], d.target, test_size=0.2,
-                              random_state=0, stratify=d.target)
-out = []
-for path in sys.argv[1:]:
-    r = tf.saved_model.load(path).signatures["serving_default"](images=tf.constant(x))
-    out.append({"accuracy": float((r["class_ids"].numpy() == y).mean()),
-                "probabilities": r["probabilities"].numpy().tolist()})
-print(json.dumps(out))
-"""
-    done = subprocess.run([sys.executable, "-c", code, *exports], capture_output=True, text=True,
-                          cwd=REPO, timeout=200)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -166,6 +136,6 @@ def test_model_parallel_export_predicts_what_the_mesh_model_measured(tmp_path):
     done = run_cli(f"--run_dir={run_dir}", "--strategy=model", "--cpu_devices=2", "--steps=40")
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    served = _serve_digits([os.path.join(run_dir, "export")])
+    served = serve_digits([os.path.join(run_dir, "export")])
     assert abs(served[0]["accuracy"] - summary["test_accuracy"]) < 1e-9
     assert summary["test_accuracy"] > 0.5

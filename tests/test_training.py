@@ -12,22 +12,7 @@ import tensorflow as tf
 from tf_multigpu.config import Config
 from tf_multigpu.errors import UsageError
 from tf_multigpu.training.loop import train
-
-
-def _checkpoint_values(run_dir):
-    path = tf.train.latest_checkpoint(os.path.join(run_dir, "checkpoints"))
-    reader = tf.train.load_checkpoint(path)
-    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH") and "save_counter" not in name}
-
-
-def _keep_only_checkpoint(run_dir, step):
-    """Leaves the run directory as a run killed right after checkpoint `step` would."""
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    for f in glob.glob(os.path.join(ckpt_dir, "ckpt-*")):
-        if not os.path.basename(f).startswith(f"ckpt-{step}."):
-            os.remove(f)
-    tf.compat.v1.train.update_checkpoint_state(ckpt_dir, os.path.join(ckpt_dir, f"ckpt-{step}"))
+from tests.helpers import checkpoint_values, keep_only_checkpoint
 
 
 @pytest.fixture
@@ -55,14 +40,14 @@ def test_outputs(cfg, devices):
 
 def test_resume_ends_with_the_weights_of_an_uninterrupted_run(cfg, tmp_path, devices, capsys):
     train(cfg, devices[:2])
-    whole = _checkpoint_values(cfg.run_dir)
+    whole = checkpoint_values(cfg.run_dir)
     resumed_dir = str(tmp_path / "resumed")
     shutil.copytree(cfg.run_dir, resumed_dir)
-    _keep_only_checkpoint(resumed_dir, 4)
+    keep_only_checkpoint(resumed_dir, 4)
     capsys.readouterr()
     summary = train(Config(**{**cfg.__dict__, "run_dir": resumed_dir}), devices[:2])
     assert "steps 4..8" in capsys.readouterr().out
-    resumed = _checkpoint_values(resumed_dir)
+    resumed = checkpoint_values(resumed_dir)
     assert summary["step"] == 8 and whole.keys() == resumed.keys()
     for name in whole:   # model, optimizer slots, iteration count, dropout RNG state
         np.testing.assert_array_equal(whole[name], resumed[name], err_msg=name)
@@ -70,10 +55,10 @@ def test_resume_ends_with_the_weights_of_an_uninterrupted_run(cfg, tmp_path, dev
 
 def test_checkpoint_from_data_parallel_resumes_on_one_device(cfg, tmp_path, devices):
     train(cfg, devices[:4])
-    whole = _checkpoint_values(cfg.run_dir)
-    _keep_only_checkpoint(cfg.run_dir, 4)
+    whole = checkpoint_values(cfg.run_dir)
+    keep_only_checkpoint(cfg.run_dir, 4)
     train(Config(**{**cfg.__dict__, "strategy": "single"}), devices[:1])
-    single = _checkpoint_values(cfg.run_dir)
+    single = checkpoint_values(cfg.run_dir)
     for name in whole:
         if "kernel" in name and "OPTIMIZER_SLOT" not in name:
             np.testing.assert_allclose(single[name], whole[name], rtol=1e-4, atol=1e-5, err_msg=name)
