@@ -25,6 +25,9 @@ def test_defaults_are_valid():
     ({"lr_schedule": "linear"}, "choose one of constant, step, cosine"),
     ({"run_dir": ""}, "--run_dir is required"),
     ({"strategy": "single", "num_devices": 2}, "use --strategy=data"),
+    ({"layout": "fc_only"}, "--layout applies to --strategy=model or hybrid"),
+    ({"strategy": "hybrid", "all_reduce": "one_device"}, "--all_reduce applies to --strategy=data"),
+    ({"mesh": "batch:2,model:1"}, "--mesh applies to --strategy=model or hybrid"),
     ({"data_dir": "/nonexistent/tfds"}, "--data_dir=/nonexistent/tfds is not a readable directory"),
 ])
 def test_bad_values_name_the_fix(change, needle):

@@ -92,6 +92,11 @@ class Config:
         if self.layout_rules and self.strategy not in ("model", "hybrid"):
             raise UsageError(f"--layout_rules applies to --strategy=model or hybrid, not {self.strategy}")
         _one_of("layout", self.layout, LAYOUTS)
+        # Flags that another strategy would silently ignore are refused instead.
+        if self.layout != Config.layout and self.strategy not in ("model", "hybrid"):
+            raise UsageError(f"--layout applies to --strategy=model or hybrid, not {self.strategy}: drop --layout")
+        if self.all_reduce != Config.all_reduce and self.strategy != "data":
+            raise UsageError(f"--all_reduce applies to --strategy=data, not {self.strategy}: drop --all_reduce")
         if self.data_dir is not None and not os.access(self.data_dir, os.R_OK | os.X_OK):
             raise UsageError(f"--data_dir={self.data_dir} is not a readable directory: "
                              "point it at the TFDS data directory (e.g. ~/tensorflow_datasets)")

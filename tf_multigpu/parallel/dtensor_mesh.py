@@ -89,7 +89,7 @@ class DTensorParallelism:
 
     def to_numpy(self, variable) -> np.ndarray:
         """The global value of a (sharded) variable, gathered to the host."""
-        value = variable.value.read_value() if hasattr(variable, "value") else tf.convert_to_tensor(variable)
+        value = _read(variable)
         full = dtensor.relayout(value, dtensor.Layout.replicated(self.mesh, value.shape.rank))
         return dtensor.unpack(full)[0].numpy()
 
@@ -99,8 +99,7 @@ class DTensorParallelism:
 
     def local_shape(self, variable) -> list:
         """The shape of one device's shard of a variable."""
-        value = variable.value.read_value() if hasattr(variable, "value") else variable
-        return dtensor.unpack(value)[0].shape.as_list()
+        return dtensor.unpack(_read(variable))[0].shape.as_list()
 
     # -- the model ---------------------------------------------------------------------------
     def build_model(self, build: Callable[[], keras.Model]) -> keras.Model:
@@ -197,6 +196,11 @@ class DTensorParallelism:
             return {k: dtensor.unpack(v)[0] for k, v in totals.items()}
 
         return run
+
+
+def _read(variable):
+    """The DTensor value of a Keras variable (or of a DVariable)."""
+    return variable.value.read_value() if hasattr(variable, "value") else variable.read_value()
 
 
 class _MeshBatches:

@@ -32,12 +32,13 @@ def gather_model_axis(x, mesh, name):
 
 
 class _Gathers:
-    """Mixin: `mesh` to gather on; set by the layout policy after construction."""
+    """Mixin: `mesh` to gather on, set by the layout policy right after construction (these
+    layers exist only on a DTensor mesh; without one the gather fails, it is never skipped)."""
 
     mesh = None
 
     def _gather(self, x):
-        return gather_model_axis(x, self.mesh, self.name) if self.mesh is not None else x
+        return gather_model_axis(x, self.mesh, self.name)
 
 
 class SplitConv2D(_Gathers, keras.layers.Conv2D):
