@@ -10,10 +10,10 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up chatter off the console
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags, logging
 
-from tf_multigpu.config import flags as run_flags  # noqa: E402  (defines the flags)
-from tf_multigpu.errors import UsageError  # noqa: E402
+from tf_multigpu.config import flags as run_flags
+from tf_multigpu.errors import UsageError
 
 USAGE_ERROR = 2
 
@@ -24,7 +24,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)   # TF's own INFO lines would bury the progress bar
     try:
         cfg = run_flags.config_from_flags()
-        from tf_multigpu.parallel import configure_devices   # imports TensorFlow
+        if cfg.profile_steps and cfg.strategy in ("model", "hybrid"):
+            # Before TensorFlow runs anything: the report reads DTensor's lowered step graph.
+            from tf_multigpu.profiling.collectives import enable_graph_dumps
+            enable_graph_dumps()
+        from tf_multigpu.parallel import configure_devices  # imports TensorFlow
         from tf_multigpu.training.loop import train
         devices = configure_devices(1 if cfg.strategy == "single" else cfg.num_devices, cfg.cpu_devices)
         summary = train(cfg, devices)

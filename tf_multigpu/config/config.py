@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
 
 from tf_multigpu.errors import UsageError
 
@@ -41,11 +40,11 @@ class Config:
     layout: str = "filter_split"
     layout_rules: str = ""        # REGEX=SPEC;... replaces --layout's built-in rules
     dataset: str = "digits"
-    data_dir: Optional[str] = None
+    data_dir: str | None = None
     image_size: int = 0           # 0: the data set's own size
     model: str = "small_convnet"
     batch_size: int = 64
-    steps: Optional[int] = None   # None: derived from epochs
+    steps: int | None = None   # None: derived from epochs
     epochs: float = 15.0
     learning_rate: float = 0.05
     lr_schedule: str = "cosine"
@@ -56,8 +55,9 @@ class Config:
     checkpoint_every: int = 500
     eval_every: int = 0           # 0: once per epoch
     log_every: int = 10
+    profile_steps: str = ""       # "A,B": trace steps A..B (1-based) for TensorBoard and the comm report
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         """Checks every value that needs no devices; returns self for chaining."""
         if not self.run_dir:
             raise UsageError("--run_dir is required: give a directory for checkpoints, logs and the export")
@@ -97,6 +97,8 @@ class Config:
             raise UsageError(f"--layout applies to --strategy=model or hybrid, not {self.strategy}: drop --layout")
         if self.all_reduce != Config.all_reduce and self.strategy != "data":
             raise UsageError(f"--all_reduce applies to --strategy=data, not {self.strategy}: drop --all_reduce")
+        if self.profile_steps:
+            parse_profile_steps(self.profile_steps)
         if self.data_dir is not None and not os.access(self.data_dir, os.R_OK | os.X_OK):
             raise UsageError(f"--data_dir={self.data_dir} is not a readable directory: "
                              "point it at the TFDS data directory (e.g. ~/tensorflow_datasets)")
@@ -127,6 +129,19 @@ def parse_mesh(text: str) -> dict:
             raise UsageError(f"--mesh={text!r} is not batch:B,model:M with B, M >= 1, e.g. --mesh=batch:2,model:2")
         shape[axis] = int(size)
     return {"batch": shape.get("batch", 1), "model": shape.get("model", 1)}
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+    """`A,B` -> (A, B): the first and last step to profile, 1 <= A <= B (`A` alone: one step)."""
+    parts = text.split(",")
+    try:
+        first, last = int(parts[0]), int(parts[-1])
+    except ValueError:
+        first = last = 0
+    if len(parts) > 2 or not 1 <= first <= last:
+        raise UsageError(f"--profile_steps={text!r} is not A,B with 1 <= A <= B: e.g. --profile_steps=10,12 "
+                         "traces steps 10 to 12 (skip the first steps: they include compilation)")
+    return first, last
 
 
 def mesh_for(strategy: str, mesh: str, num_devices: int) -> dict:

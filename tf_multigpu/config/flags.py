@@ -7,7 +7,13 @@ turns the parsed flags into the frozen Config; nothing else reads FLAGS.
 
 from absl import flags
 
-from tf_multigpu.config.config import ALL_REDUCE, LAYOUTS, LR_SCHEDULES, STRATEGIES, Config
+from tf_multigpu.config.config import (
+    ALL_REDUCE,
+    LAYOUTS,
+    LR_SCHEDULES,
+    STRATEGIES,
+    Config,
+)
 
 _D = Config  # defaults live on the dataclass; flags only restate them
 
@@ -55,6 +61,9 @@ flags.DEFINE_integer("seed", _D.seed, "Seed for initial weights and batch order;
 flags.DEFINE_integer("checkpoint_every", _D.checkpoint_every, "Save a checkpoint every N steps (and at the end).")
 flags.DEFINE_integer("eval_every", _D.eval_every, "Evaluate on the test split every N steps (0: each epoch).")
 flags.DEFINE_integer("log_every", _D.log_every, "Update the progress bar and TensorBoard every N steps.")
+flags.DEFINE_string("profile_steps", _D.profile_steps, "A,B: trace training steps A to B (counted from 1) "
+                    "with the TensorFlow profiler into RUN_DIR/tensorboard (profile tab) and write the "
+                    "communication report RUN_DIR/comm_report.{md,json}. Skip the first steps (compilation).")
 
 FLAGS = flags.FLAGS
 

@@ -1,6 +1,7 @@
 """Where a run's files live under --run_dir; shared by training and export.
 
-Layout: config.json, checkpoints/, tensorboard/, summary.json, export/.
+Layout: config.json, checkpoints/, tensorboard/, summary.json, export/, and with
+--profile_steps comm_report.json and comm_report.md.
 """
 
 from __future__ import annotations
@@ -32,3 +33,8 @@ class RunPaths:
     @property
     def export(self):
         return os.path.join(self.root, "export")
+
+    @property
+    def comm_report(self):
+        """The communication report, without its extension (.json and .md are written)."""
+        return os.path.join(self.root, "comm_report")

@@ -17,10 +17,12 @@ import tensorflow as tf
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.data.pipeline import steps_per_epoch, test_dataset, train_dataset
+from tf_multigpu.errors import UsageError
 from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model, get_factory
 from tf_multigpu.parallel import make_parallelism
 from tf_multigpu.parallel.memory import bytes_per_device
+from tf_multigpu.profiling.step_profiler import StepProfiler
 from tf_multigpu.training import run_dir
 from tf_multigpu.training.optimizer import MomentumSGD, learning_rate_schedule
 from tf_multigpu.training.step import make_eval_step, make_train_step
@@ -46,6 +48,7 @@ def train(cfg: Config, devices: list[str]) -> dict:
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, rng_states=rng_states)
     manager = run_dir.restore_latest(checkpoint, paths)
     start = int(optimizer.iterations.numpy())
+    profiler = _profiler(cfg, paths, par, model, start, total_steps)
 
     # Input is valid and any earlier state restored: from here on the run writes.
     tf.io.gfile.makedirs(paths.root)
@@ -79,11 +82,19 @@ def train(cfg: Config, devices: list[str]) -> dict:
         # Run up to the next log, evaluation, checkpoint or the end in one call.
         window = min(_to_next(step, cfg.log_every), _to_next(step, eval_every),
                      _to_next(step, cfg.checkpoint_every), total_steps - step)
+        traced = profiler is not None and profiler.profiles(step)
         window_start = time.perf_counter()
-        sums = _floats(train_fn(train_iter, tf.constant(window)))   # the sync point
+        if profiler:
+            window = profiler.window(step, window)
+            sums = profiler.run(train_fn, train_iter, step, window)
+        else:
+            sums = _floats(train_fn(train_iter, tf.constant(window)))   # the sync point
         seconds = time.perf_counter() - window_start
-        steady.add(sums["count"], seconds, window, warmup=step == start)
+        if not traced:   # tracing slows steps down: keep them out of the throughput
+            steady.add(sums["count"], seconds, window, warmup=step == start)
         step += window
+        if profiler:
+            profiler.finish(writer, step)
         train_metrics = {
             "loss": sums["loss_sum"] / sums["count"],
             "accuracy": sums["correct"] / sums["count"],
@@ -118,8 +129,29 @@ def train(cfg: Config, devices: list[str]) -> dict:
         **test_metrics, "wall_time_s": time.perf_counter() - started, "export_dir": export_dir,
         "memory_per_device_bytes": memory,
     }
+    if profiler and profiler.report:
+        summary["communication"] = {"mean": profiler.report["mean"], "report": paths.comm_report + ".md",
+                                    "moved_bytes_per_device": {k: v["moved_bytes"] for k, v in
+                                                               profiler.report["bytes_per_device"].items()}}
     run_dir.write_json(paths.summary, summary)
     return summary
+
+
+def _profiler(cfg, paths, par, model, start, total_steps):
+    """The StepProfiler for --profile_steps (None without it, or when the run is past it)."""
+    if not cfg.profile_steps:
+        return None
+    profiler = StepProfiler(cfg.profile_steps, paths.tensorboard, paths.comm_report, par, model, meta={
+        "strategy": par.name, "devices": par.devices, "mesh": getattr(par, "mesh_shape", None),
+        "global_batch": cfg.batch_size, "model": cfg.model})
+    if profiler.last > total_steps:
+        raise UsageError(f"--profile_steps={cfg.profile_steps} goes past the last step ({total_steps}): "
+                         f"profile steps up to {total_steps}, or train longer")
+    if profiler.first <= start:
+        print(f"--profile_steps={cfg.profile_steps}: the run resumes at step {start}, past step "
+              f"{profiler.first}; nothing is profiled", flush=True)
+        return None
+    return profiler
 
 
 def build_model_and_optimizer(cfg: Config, par, source, total_steps: int, **model_kwargs):

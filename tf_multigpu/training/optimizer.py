@@ -10,6 +10,7 @@ variable: under DTensor, Keras' stock SGD re-read a stale slot and left the weig
 """
 
 import keras
+import tensorflow as tf
 from keras import ops
 from keras.optimizers import schedules
 
@@ -33,6 +34,12 @@ class MomentumSGD(keras.optimizers.SGD):
         new_velocity = ops.cast(self.momentum, variable.dtype) * velocity - lr * grad
         self.assign(velocity, new_velocity)
         self.assign_add(variable, new_velocity)
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        # Keras sums the replicas' gradients here (data parallelism); the name scope makes the
+        # all-reduce findable in profiles as allreduce/gradients.
+        with tf.name_scope("allreduce/gradients"):
+            return super()._all_reduce_sum_gradients(grads_and_vars)
 
     def get_config(self):
         return {**super().get_config(), "l2": self.l2}

@@ -1,0 +1,127 @@
+"""--profile_steps: a TensorBoard trace of the chosen steps and a communication report whose
+numbers are checked against the model: gradient bytes for data parallelism, the split
+layers' activations for model parallelism, nothing for one device; and profiling changes no
+result."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.conftest import REPO, run_cli
+from tests.helpers import checkpoint_values
+from tf_multigpu.profiling import xspace
+
+SMALL_CONVNET_PARAMS = 226_570
+# small_convnet on 8x8 digits, filter_split on `model`: the outputs that are gathered are
+# conv1 (8x8x32), pool2 (4x4x64), pool3 (2x2x128) and fc1 (256) floats per example.
+SPLIT_OUTPUT_FLOATS = 8 * 8 * 32 + 4 * 4 * 64 + 2 * 2 * 128 + 256
+BATCH = 64
+
+pytestmark = pytest.mark.slow
+
+
+def _train(run_dir, *flags):
+    done = run_cli(f"--run_dir={run_dir}", f"--batch_size={BATCH}", "--steps=5", "--log_every=5", *flags)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("profiled")
+    profile = "--profile_steps=3,4"
+    return {
+        "data2": _train(root / "data2", "--strategy=data", "--cpu_devices=2", profile),
+        "data4": _train(root / "data4", "--strategy=data", "--cpu_devices=4", profile),
+        "model2": _train(root / "model2", "--strategy=model", "--cpu_devices=2", profile),
+        "single": _train(root / "single", "--strategy=single", profile),
+        "data2_plain": _train(root / "data2_plain", "--strategy=data", "--cpu_devices=2"),
+    }
+
+
+def _report(run_dir):
+    with open(os.path.join(run_dir, "comm_report.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name, devices", [("data2", 2), ("data4", 4)])
+def test_data_parallel_report_counts_the_gradient_all_reduce(runs, name, devices):
+    report = _report(runs[name])
+    assert [s["step"] for s in report["steps"]] == [3, 4]
+    assert all(s["collective_events"] > 0 and s["communication_ms"] > 0 for s in report["steps"])
+    assert all(abs(s["compute_ms"] + s["communication_ms"] - s["step_ms"]) < 1e-6 for s in report["steps"])
+    grads = report["bytes_per_device"]["gradients"]
+    trainable_bytes = SMALL_CONVNET_PARAMS * 4
+    assert grads["payload_bytes"] == trainable_bytes
+    assert grads["moved_bytes"] == pytest.approx(trainable_bytes * 2 * (devices - 1) / devices)
+    assert grads["minimum_bytes"] == pytest.approx(grads["moved_bytes"])
+    assert report["bytes_per_device"]["activations"]["moved_bytes"] == 0
+
+
+def test_trace_holds_named_gradient_all_reduces_and_steps(runs):
+    """The trace is the profiler's own XSpace, with step markers and the all-reduce under
+    allreduce/gradients; TensorBoard gets the report's scalars."""
+    trace = xspace.latest_trace(os.path.join(runs["data2"], "tensorboard"))
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    space = xplane_pb2.XSpace()
+    space.ParseFromString(open(trace, "rb").read())
+    names = {m.name for p in space.planes for m in p.event_metadata.values()}
+    assert "train" in names
+    assert any("allreduce/gradients" in n and n.endswith(":CollectiveReduceV2") for n in names), sorted(names)[:50]
+    tags = set()
+    for path in glob.glob(os.path.join(runs["data2"], "tensorboard", "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(v.tag for v in event.summary.value)
+    assert {"communication/communication_ms", "communication/gradients_moved_bytes_per_device"} <= tags
+
+
+def test_model_parallel_report_counts_the_split_layers_activations(runs):
+    report = _report(runs["model2"])
+    gathers = report["forward_activation_gathers"]
+    assert gathers["analytic_payload_bytes"] == BATCH * SPLIT_OUTPUT_FLOATS * 4
+    assert gathers["measured_payload_bytes"] == gathers["analytic_payload_bytes"]
+    activations = report["bytes_per_device"]["activations"]
+    assert activations["moved_bytes"] >= activations["minimum_bytes"] > 0
+    assert report["bytes_per_device"]["gradients"]["moved_bytes"] == 0   # one group: nothing to sum
+    assert all(s["communication_ms"] > 0 for s in report["steps"])
+
+
+def test_single_device_report_shows_no_communication(runs):
+    report = _report(runs["single"])
+    assert all(s["communication_ms"] == 0 and s["collective_events"] == 0 for s in report["steps"])
+    assert all(t["moved_bytes"] == 0 and t["minimum_bytes"] == 0 for t in report["bytes_per_device"].values())
+
+
+def test_profiling_does_not_change_the_result(runs):
+    profiled, plain = checkpoint_values(runs["data2"]), checkpoint_values(runs["data2_plain"])
+    assert profiled.keys() == plain.keys()
+    for key in plain:
+        np.testing.assert_array_equal(profiled[key], plain[key], err_msg=key)
+
+
+def test_comm_report_tool_rebuilds_the_report(runs):
+    done = subprocess.run([sys.executable, "tools/comm_report.py", str(runs["model2"])], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| activations |" in done.stdout and "| mean |" in done.stdout
+    missing = subprocess.run([sys.executable, "tools/comm_report.py", str(runs["data2_plain"])], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2
+    assert "train with --profile_steps=A,B first" in missing.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--profile_steps=5,3"], "--profile_steps='5,3' is not A,B with 1 <= A <= B"),
+    (["--profile_steps=a"], "is not A,B with 1 <= A <= B"),
+    (["--profile_steps=4,9"], "--profile_steps=4,9 goes past the last step (5)"),
+])
+def test_bad_profile_steps_are_usage_errors(tmp_path, flags, needle):
+    done = run_cli(f"--run_dir={tmp_path / 'run'}", "--steps=5", *flags)
+    assert done.returncode == 2
+    assert needle in done.stderr.strip().splitlines()[-1]

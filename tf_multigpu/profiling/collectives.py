@@ -1,0 +1,183 @@
+"""The collectives one training step runs on one device, with their bytes and kind.
+
+Read from TensorFlow's own graphs, not from our code's intentions, so the report shows what
+really runs:
+- tf.distribute (`single`, `data`): the traced step function's graph, where the all-reduces
+  are ops with static input shapes (MirroredStrategy packs all gradients into one tensor).
+- DTensor (`model`, `hybrid`): collectives exist only after DTensor's SPMD expansion, which
+  happens in the runtime; TensorFlow writes that graph when TF_DUMP_GRAPH_PREFIX is set
+  before it starts (`enable_graph_dumps`), and we parse it.
+
+Bytes moved per device follow the algorithm each op runs: an all-reduce over g devices moves
+2(g-1)/g of its payload per device (ring: reduce-scatter then all-gather), an all-gather or a
+reduce-scatter (g-1)/g, an all-to-all (g-1)/g. On CPU, DTensor lowers an all-gather to an
+all-reduce of a zero-padded buffer (op `CollectiveReduceV2` named `DTensorAllGatherOp`), so
+it moves an all-reduce's bytes; we count what runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+from google.protobuf import text_format
+
+KINDS = ("gradients", "parameters", "activations", "scalars")
+
+
+@dataclasses.dataclass
+class Collective:
+    """One collective op of one step, seen from one device."""
+    name: str
+    op: str            # "all_reduce", "all_gather", "reduce_scatter", "all_to_all"
+    kind: str          # one of KINDS
+    payload_bytes: int # the tensor this device contributes / receives in full
+    group_size: int
+    forward: bool      # part of the forward pass (not the gradient computation or update)
+
+    @property
+    def moved_bytes(self) -> float:
+        g = self.group_size
+        if g <= 1:
+            return 0.0
+        factor = 2 * (g - 1) / g if self.op == "all_reduce" else (g - 1) / g
+        return self.payload_bytes * factor
+
+
+def _op_kind(op_type: str, name: str) -> str | None:
+    if "AllToAll" in op_type:
+        return "all_to_all"
+    if "ReduceScatter" in op_type:
+        return "reduce_scatter"
+    if "Gather" in op_type or "AllGather" in op_type:
+        return "all_gather"
+    if op_type.startswith("Collective") and "Reduce" in op_type or op_type in ("NcclAllReduce", "NcclReduce"):
+        return "all_reduce"
+    return None
+
+
+def from_function_graph(graph, device: str) -> list[Collective]:
+    """Collectives on `device` at the top level of a traced tf.distribute step function.
+
+    Our `run` function traces the first step at the top level and the rest in a loop body,
+    so the top level holds exactly one step's collectives.
+    """
+    found = []
+    for op in graph.get_operations():
+        kind_of_op = _op_kind(op.type, op.name)
+        if kind_of_op is None or not op.device.endswith(device.split("device:")[-1]):
+            continue
+        tensor = op.inputs[0]
+        payload = int(np.prod(tensor.shape.as_list())) * tensor.dtype.size
+        group = _group_size(op)
+        kind = "scalars" if tensor.shape.rank == 0 else "gradients"   # data parallelism reduces only gradients
+        found.append(Collective(op.name, kind_of_op, kind, payload, group, forward=False))
+    return found
+
+
+def _group_size(op) -> int:
+    if op.type == "NcclAllReduce":
+        return op.get_attr("num_devices")
+    try:
+        return int(tf.get_static_value(op.inputs[1]))
+    except (TypeError, ValueError, IndexError):
+        return 1
+
+
+_DUMP_DIR_ENV = "TF_MULTIGPU_GRAPH_DUMPS"
+_STEP_FUNCTION = "__inference_train_step"   # tf.function(train_step), the DTensor step
+
+
+def enable_graph_dumps() -> str:
+    """Makes TensorFlow write the graphs of the DTensor training step to a temporary folder.
+
+    Must run before TensorFlow executes its first function: the runtime reads
+    TF_DUMP_GRAPH_PREFIX once and keeps it (setting it later has no effect). The entry point
+    calls this for --profile_steps with a DTensor strategy.
+    """
+    directory = tempfile.mkdtemp(prefix="tf_multigpu_graphs_")
+    os.environ["TF_DUMP_GRAPH_PREFIX"] = directory
+    os.environ["TF_DUMP_GRAPH_NAME_FILTER"] = _STEP_FUNCTION   # a name-prefix match
+    os.environ[_DUMP_DIR_ENV] = directory
+    return directory
+
+
+def read_lowered_step() -> list[Collective] | None:
+    """The collectives of the DTensor step's lowered graph (None if dumps were not enabled),
+    then deletes the dumps."""
+    directory = os.environ.get(_DUMP_DIR_ENV)
+    if not directory:
+        return None
+    dumps = sorted(f for f in glob.glob(os.path.join(directory, "*after_post_rewrite_for_exec_passes*"))
+                   if "_partition_" not in f)
+    if not dumps:
+        return None
+    graph_def = tf.compat.v1.GraphDef()
+    with open(dumps[-1]) as f:
+        text_format.Parse(f.read(), graph_def)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.environ.pop("TF_DUMP_GRAPH_PREFIX", None)
+    return from_dtensor_graph_def(graph_def)
+
+
+def from_dtensor_graph_def(graph_def) -> list[Collective]:
+    """Collectives of DTensor's per-device program (the SPMD-expanded step).
+
+    Kind, from the layout DTensor attaches to each op: a per-example tensor (first dimension
+    sharded on `batch`) is activations or their gradients, moving across `model`; a
+    parameter-shaped tensor being all-reduced is a gradient summed across `batch`, being
+    gathered is a parameter; a scalar is a loss or metric.
+    """
+    nodes = {n.name: n for n in graph_def.node}
+    found = []
+    for node in graph_def.node:
+        if not node.op.startswith("Collective"):
+            continue
+        op = "all_gather" if "AllGather" in node.name else _op_kind(node.op, node.name)
+        if op is None:
+            continue
+        shape = _shape(node) or _shape(nodes.get(node.input[0].split(":")[0]))
+        dtype = tf.dtypes.as_dtype(node.attr["T"].type)
+        payload = int(np.prod(shape)) * dtype.size if shape is not None else 0
+        layout = node.attr["_layout"].list.s[0].decode() if "_layout" in node.attr else ""
+        specs = layout.split("sharding_specs:")[-1].split(" mesh")[0].split(",")
+        specs = [spec for spec in specs if spec]
+        # DTensor may pack several tensors into one flat buffer: its layout then has more
+        # dimensions than the buffer. Such a buffer is not one layer's forward output.
+        packed = shape is not None and len(specs) != len(shape)
+        if not shape:
+            kind = "scalars"
+        elif specs and specs[0] == "batch":
+            kind = "activations"
+        else:
+            kind = "parameters" if op == "all_gather" else "gradients"
+        size_node = nodes.get(node.input[1].split(":")[0]) if len(node.input) > 1 else None
+        group = int(size_node.attr["value"].tensor.int_val[0]) if size_node is not None and \
+            size_node.attr["value"].tensor.int_val else 1
+        name = node.name.removeprefix("tf.StatefulPartitionedCall/")
+        found.append(Collective(name, op, kind, payload, group, forward="gradient_tape" not in name and not packed))
+    return found
+
+
+def _shape(node):
+    if node is None or "_output_shapes" not in node.attr or not node.attr["_output_shapes"].list.shape:
+        return None
+    shape = node.attr["_output_shapes"].list.shape[0]
+    if shape.unknown_rank:
+        return None
+    return [d.size for d in shape.dim]
+
+
+def totals(collectives: list[Collective]) -> dict:
+    """{kind: {"payload_bytes", "moved_bytes", "ops"}} per step per device."""
+    out = {k: {"payload_bytes": 0, "moved_bytes": 0.0, "ops": 0} for k in KINDS}
+    for c in collectives:
+        out[c.kind]["payload_bytes"] += c.payload_bytes
+        out[c.kind]["moved_bytes"] += c.moved_bytes
+        out[c.kind]["ops"] += 1
+    return out

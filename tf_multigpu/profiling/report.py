@@ -1,0 +1,101 @@
+"""The communication report: per profiled step, compute and communication time (from the
+trace) and, per device, the bytes each kind of communication moved (from the lowered graph)
+next to the analytic minimum for the strategy. Written as JSON, Markdown and TensorBoard
+scalars; `tools/comm_report.py RUN_DIR` rebuilds it from a run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import tensorflow as tf
+
+from tf_multigpu.profiling import collectives as coll
+from tf_multigpu.profiling import xspace
+
+MIB = 2**20
+
+
+def build(meta: dict, found: list, minimum: dict, trace_path: str | None) -> dict:
+    """The report as a dict. `meta`: strategy, devices, mesh, global batch, model."""
+    steps = xspace.step_times(trace_path) if trace_path else []
+    mean = {}
+    if steps:
+        for key in ("step_ms", "communication_ms", "compute_ms"):
+            mean[key] = sum(s[key] for s in steps) / len(steps)
+        mean["communication_fraction"] = mean["communication_ms"] / mean["step_ms"] if mean["step_ms"] else 0.0
+    by_kind = coll.totals(found)
+    for kind in by_kind:
+        by_kind[kind]["minimum_bytes"] = minimum.get(kind, 0.0)
+    forward = sum(c.payload_bytes for c in found if c.kind == "activations" and c.forward and c.op == "all_gather")
+    return {
+        **meta, "trace": trace_path, "steps": steps, "mean": mean, "bytes_per_device": by_kind,
+        "forward_activation_gathers": {"measured_payload_bytes": forward,
+                                       "analytic_payload_bytes": minimum.get("forward_activation_payload", 0)},
+        "collectives": [dataclasses.asdict(c) | {"moved_bytes": c.moved_bytes} for c in found],
+    }
+
+
+def to_markdown(report: dict) -> str:
+    """Two tables: time per profiled step; bytes per device per step by kind."""
+    mesh = report.get("mesh") or {}
+    lines = [f"# Communication report: {report['strategy']} on {len(report['devices'])} device(s)"
+             + (f", mesh batch:{mesh['batch']} x model:{mesh['model']}" if mesh else ""),
+             "", f"{report['model']}, global batch {report['global_batch']}. Trace: `{report['trace']}`.", "",
+             "| step | step (ms) | compute (ms) | communication (ms) | collective events |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
+    for s in report["steps"]:
+        lines.append(f"| {s['step']} | {s['step_ms']:.2f} | {s['compute_ms']:.2f} | "
+                     f"{s['communication_ms']:.2f} | {s['collective_events']} |")
+    if report["mean"]:
+        m = report["mean"]
+        lines.append(f"| mean | {m['step_ms']:.2f} | {m['compute_ms']:.2f} | {m['communication_ms']:.2f} "
+                     f"({100 * m['communication_fraction']:.0f}%) | |")
+    lines += ["", ("Bytes per device per step (MiB): what the collectives carry (payload), what their "
+              "algorithm moves, and the least the strategy must move."), "",
+              "| kind | ops | payload | moved | analytic minimum |", "| --- | ---: | ---: | ---: | ---: |"]
+    for kind, t in report["bytes_per_device"].items():
+        lines.append(f"| {kind} | {t['ops']} | {t['payload_bytes'] / MIB:.3f} | {t['moved_bytes'] / MIB:.3f} | "
+                     f"{t['minimum_bytes'] / MIB:.3f} |")
+    fwd = report["forward_activation_gathers"]
+    if fwd["analytic_payload_bytes"]:
+        lines += ["", (f"Forward activation all-gathers: {fwd['measured_payload_bytes'] / MIB:.3f} MiB measured, "
+                  f"{fwd['analytic_payload_bytes'] / MIB:.3f} MiB for the split layers' outputs.")]
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict, path_prefix: str, writer=None, step: int | None = None) -> None:
+    """Writes PREFIX.json and PREFIX.md, and (with a writer) TensorBoard scalars."""
+    with open(path_prefix + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    with open(path_prefix + ".md", "w") as f:
+        f.write(to_markdown(report))
+    if writer is None:
+        return
+    with writer.as_default():
+        for s in report["steps"]:
+            for key in ("step_ms", "compute_ms", "communication_ms"):
+                tf.summary.scalar(f"communication/{key}", s[key], step=s["step"])
+        for kind, t in report["bytes_per_device"].items():
+            tf.summary.scalar(f"communication/{kind}_moved_bytes_per_device", t["moved_bytes"], step=step)
+            tf.summary.scalar(f"communication/{kind}_minimum_bytes_per_device", t["minimum_bytes"], step=step)
+    writer.flush()
+
+
+def rebuild(run_dir: str) -> dict:
+    """Re-reads RUN_DIR's trace and saved collectives; rewrites and returns the report."""
+    from tf_multigpu.config import RunPaths
+    paths = RunPaths(run_dir)
+    if not os.path.exists(paths.comm_report + ".json"):
+        raise FileNotFoundError(f"{paths.comm_report}.json not found: train with --profile_steps=A,B first")
+    with open(paths.comm_report + ".json") as f:
+        saved = json.load(f)
+    found = [coll.Collective(**{k: v for k, v in c.items() if k != "moved_bytes"}) for c in saved["collectives"]]
+    minimum = {k: t["minimum_bytes"] for k, t in saved["bytes_per_device"].items()}
+    minimum["forward_activation_payload"] = saved["forward_activation_gathers"]["analytic_payload_bytes"]
+    meta = {k: saved[k] for k in ("strategy", "devices", "mesh", "global_batch", "model")}
+    report = build(meta, found, minimum, xspace.latest_trace(paths.tensorboard) or saved["trace"])
+    write(report, paths.comm_report)
+    return report
