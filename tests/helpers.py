@@ -29,7 +29,7 @@ def one_step(strategy, devices, source, images, labels, steps=1, model="small_co
     before = [par.to_numpy(v) for v in model_.trainable_variables]
     batch = tf.data.Dataset.from_tensors((images, labels)).repeat()
     it = iter(par.distribute(lambda b: batch.unbatch().batch(b, drop_remainder=True)))
-    fn = par.compile(make_train_step(model_, optimizer, global_batch))
+    fn = par.compile(make_train_step(model_, optimizer, global_batch, jit_compile=cfg.xla))
     fn(it, tf.constant(steps))
     return before, [par.to_numpy(v) for v in model_.trainable_variables]
 

@@ -65,8 +65,9 @@ MESHES = [("model", "batch:1,model:2"), ("model", "batch:1,model:4"), ("hybrid",
           ("hybrid", "batch:2,model:4"), ("hybrid", "batch:4,model:2")]
 
 
-def _in_own_process(strategy, mesh, layouts, steps=1):
-    done = subprocess.run([sys.executable, "-m", "tests.parity_worker", strategy, mesh, layouts, str(steps)],
+def in_own_process(strategy, mesh, layouts, steps=1, *options):
+    """tests/parity_worker.py's result for one mesh, run in a fresh process."""
+    done = subprocess.run([sys.executable, "-m", "tests.parity_worker", strategy, mesh, layouts, str(steps), *options],
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -74,12 +75,12 @@ def _in_own_process(strategy, mesh, layouts, steps=1):
 
 @pytest.mark.parametrize("strategy, mesh", MESHES)
 def test_model_and_hybrid_step_equals_one_device(strategy, mesh):
-    for layout, result in _in_own_process(strategy, mesh, "filter_split,fc_only").items():
+    for layout, result in in_own_process(strategy, mesh, "filter_split,fc_only").items():
         assert result["same_initial_weights"], layout
         assert result["max_update_difference"] <= TOLERANCE, (layout, result)
 
 
 def test_hybrid_two_steps_with_momentum_match():
     """The optimizer slots stay right under DTensor (stock Keras SGD left weights unchanged)."""
-    result = _in_own_process("hybrid", "batch:2,model:2", "filter_split", steps=2)["filter_split"]
+    result = in_own_process("hybrid", "batch:2,model:2", "filter_split", steps=2)["filter_split"]
     assert result["max_update_difference"] <= TOLERANCE

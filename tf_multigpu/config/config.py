@@ -17,13 +17,14 @@ STRATEGIES = ("single", "data", "model", "hybrid")
 LAYOUTS = ("filter_split", "fc_only")
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "one_device")
 LR_SCHEDULES = ("constant", "step", "cosine")
+DTYPES = ("float32", "bfloat16", "float16")
 
 # The fields that decide what a run computes. Resuming a run directory with any of these
 # changed would silently mix two experiments, so it is refused. Steps, epochs, cadence and
 # the device layout may change between runs (a checkpoint restores onto any strategy).
 RESULT_FIELDS = (
     "dataset", "image_size", "model", "batch_size", "learning_rate", "lr_schedule",
-    "warmup_steps", "momentum", "weight_decay", "seed",
+    "warmup_steps", "momentum", "weight_decay", "seed", "dtype",
 )
 
 
@@ -55,6 +56,8 @@ class Config:
     checkpoint_every: int = 500
     eval_every: int = 0           # 0: once per epoch
     log_every: int = 10
+    dtype: str = "float32"        # compute dtype: bfloat16/float16 = Keras mixed precision
+    xla: bool = False             # XLA-compile each replica's forward and backward pass
     profile_steps: str = ""       # "A,B": trace steps A..B (1-based) for TensorBoard and the comm report
 
     def validate(self) -> Config:
@@ -64,6 +67,7 @@ class Config:
         _one_of("strategy", self.strategy, STRATEGIES)
         _one_of("all_reduce", self.all_reduce, ALL_REDUCE)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _one_of("dtype", self.dtype, DTYPES)
         _at_least("batch_size", self.batch_size, 1)
         _at_least("num_devices", self.num_devices, 0)
         _at_least("cpu_devices", self.cpu_devices, 0)

@@ -9,6 +9,7 @@ from absl import flags
 
 from tf_multigpu.config.config import (
     ALL_REDUCE,
+    DTYPES,
     LAYOUTS,
     LR_SCHEDULES,
     STRATEGIES,
@@ -61,6 +62,10 @@ flags.DEFINE_integer("seed", _D.seed, "Seed for initial weights and batch order;
 flags.DEFINE_integer("checkpoint_every", _D.checkpoint_every, "Save a checkpoint every N steps (and at the end).")
 flags.DEFINE_integer("eval_every", _D.eval_every, "Evaluate on the test split every N steps (0: each epoch).")
 flags.DEFINE_integer("log_every", _D.log_every, "Update the progress bar and TensorBoard every N steps.")
+flags.DEFINE_string("dtype", _D.dtype, f"Compute dtype, one of {', '.join(DTYPES)}. bfloat16 and float16 "
+                    "are Keras mixed precision (weights and updates stay float32); float16 adds dynamic "
+                    "loss scaling.")
+flags.DEFINE_boolean("xla", _D.xla, "XLA-compile (jit_compile) each replica's forward and backward pass.")
 flags.DEFINE_string("profile_steps", _D.profile_steps, "A,B: trace training steps A to B (counted from 1) "
                     "with the TensorFlow profiler into RUN_DIR/tensorboard (profile tab) and write the "
                     "communication report RUN_DIR/comm_report.{md,json}. Skip the first steps (compilation).")

@@ -63,7 +63,7 @@ def train(cfg: Config, devices: list[str]) -> dict:
         source, seed=cfg.seed, global_batch=cfg.batch_size, batch_size=b, start_step=start)))
     test_data = par.distribute(lambda b: test_dataset(source, global_batch=cfg.batch_size, batch_size=b))
     test_batches = math.ceil(source.num_test / cfg.batch_size)
-    train_fn = par.compile(make_train_step(model, optimizer, cfg.batch_size))
+    train_fn = par.compile(make_train_step(model, optimizer, cfg.batch_size, jit_compile=cfg.xla))
     eval_fn = par.compile(make_eval_step(model))
 
     def evaluate():
@@ -157,14 +157,24 @@ def _profiler(cfg, paths, par, model, start, total_steps):
 def build_model_and_optimizer(cfg: Config, par, source, total_steps: int, **model_kwargs):
     """The model and its optimizer, created in the parallelism's scope from `cfg.seed`.
 
-    Seeding right before building gives the same initial weights under every strategy.
+    Seeding right before building gives the same initial weights under every strategy. With
+    --dtype=bfloat16/float16 the layers get Keras' mixed policy (float32 weights, low-precision
+    compute); the global policy is restored afterwards, so the exported copy is float32.
     """
     keras.utils.set_random_seed(cfg.seed)
-    model = par.build_model(lambda: build_model(cfg.model, source.image_shape, source.num_classes, **model_kwargs))
+    previous = keras.config.dtype_policy()
+    if cfg.dtype != "float32":
+        keras.config.set_dtype_policy(f"mixed_{cfg.dtype}")
+    try:
+        model = par.build_model(lambda: build_model(cfg.model, source.image_shape, source.num_classes, **model_kwargs))
+    finally:
+        keras.config.set_dtype_policy(previous)
     with par.scope():
         optimizer = MomentumSGD(
             learning_rate_schedule(cfg.learning_rate, cfg.lr_schedule, total_steps, cfg.warmup_steps),
             momentum=cfg.momentum, l2=cfg.weight_decay)
+        if cfg.dtype == "float16":   # float16 gradients underflow without loss scaling
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         # Build the slots now, inside the scope, so they are mirrored like their variables.
         optimizer.build(model.trainable_variables)
     return model, optimizer

@@ -8,20 +8,34 @@ import keras
 import tensorflow as tf
 
 
-def make_train_step(model, optimizer, global_batch: int):
-    """(images, labels) -> {loss_sum, correct, count}, after one SGD update."""
+def make_train_step(model, optimizer, global_batch: int, jit_compile: bool = False):
+    """(images, labels) -> {loss_sum, correct, count}, after one SGD update.
 
-    def train_step(images, labels):
+    With `jit_compile`, XLA compiles the forward and backward pass (one replica's share); the
+    gradient all-reduce and the update stay outside it, in the strategy's hands.
+    """
+
+    def gradients(images, labels):
         with tf.GradientTape() as tape:
-            logits = model(images, training=True)
+            # Mixed precision computes logits in bfloat16/float16; the loss is float32.
+            logits = tf.cast(model(images, training=True), tf.float32)
             per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
             # Average over the GLOBAL batch, not this replica's share: the all-reduce sums the
             # replicas' gradients, so each must be its part of the global mean. The update then
             # equals one device's on the whole batch, whatever the number of replicas.
             loss = tf.reduce_sum(per_example) / global_batch
-        grads = tape.gradient(loss, model.trainable_variables)
+            # float16: multiply by the loss scale (the optimizer divides it out); else a no-op.
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        return grads, _sums(per_example, logits, labels, tf.ones_like(per_example))
+
+    if jit_compile:
+        gradients = tf.function(gradients, jit_compile=True)
+
+    def train_step(images, labels):
+        grads, sums = gradients(images, labels)
         optimizer.apply(grads, model.trainable_variables)
-        return _sums(per_example, logits, labels, tf.ones_like(per_example))
+        return sums
 
     return train_step
 
@@ -30,7 +44,7 @@ def make_eval_step(model):
     """(images, labels, weights) -> {loss_sum, correct, count} over rows with weight 1."""
 
     def eval_step(images, labels, weights):
-        logits = model(images, training=False)
+        logits = tf.cast(model(images, training=False), tf.float32)
         per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
         return _sums(per_example, logits, labels, weights)
 
