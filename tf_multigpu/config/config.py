@@ -14,7 +14,7 @@ from typing import Optional
 
 from tf_multigpu.errors import UsageError
 
-STRATEGIES = ("single", "data", "model", "hybrid")
+STRATEGIES = ("single", "data", "model", "hybrid", "auto")   # auto: the planner picks (planner/auto.py)
 LAYOUTS = ("filter_split", "fc_only")
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "one_device")
 LR_SCHEDULES = ("constant", "step", "cosine")
