@@ -13,7 +13,7 @@ import os
 
 from tf_multigpu.errors import UsageError
 
-STRATEGIES = ("single", "data", "model", "hybrid")
+STRATEGIES = ("single", "data", "model", "hybrid", "auto")   # auto: the planner picks (planner/auto.py)
 LAYOUTS = ("filter_split", "fc_only")
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "one_device")
 LR_SCHEDULES = ("constant", "step", "cosine")

@@ -23,7 +23,8 @@ flags.DEFINE_string("run_dir", None, "Directory for everything a run writes: con
 flags.DEFINE_string("strategy", _D.strategy, f"How to use the devices: one of {', '.join(STRATEGIES)}. "
                     "single: one device; data: MirroredStrategy data parallelism over all devices; "
                     "model: conv filters and dense units split over all devices (DTensor); hybrid: "
-                    "model-parallel groups, data parallel between them (--mesh).")
+                    "model-parallel groups, data parallel between them (--mesh); auto: the planner "
+                    "measures the devices and picks the fastest strategy, mesh and layout that fit.")
 flags.DEFINE_string("mesh", _D.mesh, "Device mesh for model/hybrid: batch:B,model:M with B*M = devices. "
                     "Default: batch:1,model:N for model; batch:N/2,model:2 for hybrid.")
 flags.DEFINE_string("layout", _D.layout, f"Model-parallel layout policy: one of {', '.join(LAYOUTS)}. "

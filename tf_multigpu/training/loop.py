@@ -22,6 +22,7 @@ from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model, get_factory
 from tf_multigpu.parallel import make_parallelism
 from tf_multigpu.parallel.memory import bytes_per_device
+from tf_multigpu.planner.auto import resolve_strategy, with_measurement
 from tf_multigpu.profiling.step_profiler import StepProfiler
 from tf_multigpu.training import run_dir
 from tf_multigpu.training.optimizer import MomentumSGD, learning_rate_schedule
@@ -33,6 +34,7 @@ def train(cfg: Config, devices: list[str]) -> dict:
     started = time.perf_counter()
     get_factory(cfg.model)   # an unknown model is reported before anything is built
     source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size)
+    cfg, plan = resolve_strategy(cfg, devices, source)   # --strategy=auto: the planner's top plan
     par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh,
                            cfg.layout, cfg.layout_rules)
     cfg.check_devices(par.num_replicas)
@@ -133,6 +135,8 @@ def train(cfg: Config, devices: list[str]) -> dict:
         summary["communication"] = {"mean": profiler.report["mean"], "report": paths.comm_report + ".md",
                                     "moved_bytes_per_device": {k: v["moved_bytes"] for k, v in
                                                                profiler.report["bytes_per_device"].items()}}
+    if plan:
+        summary["plan"] = with_measurement(plan, summary["step_time_s"])
     run_dir.write_json(paths.summary, summary)
     return summary
 

@@ -1,0 +1,117 @@
+"""tf-multigpu-plan: predict and rank every parallelism plan for a model on some devices
+(also `python -m tf_multigpu.plan_main`).
+
+Intentionally short: parse flags, build the plain model for the data set's input shape, get
+a device profile (a shipped one by name, a JSON file, or `measure` the devices here), and
+print the planner's ranked table; --out_dir also writes plan.md and plan.json. Bad input
+prints one line and exits 2. The flags that describe the workload have the same names and
+meaning as tf-multigpu-train's.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up chatter off the console
+
+from absl import app, flags, logging
+
+from tf_multigpu.errors import UsageError
+
+USAGE_ERROR = 2
+PROG = "tf-multigpu-plan"
+
+flags.DEFINE_string("model", "small_convnet", "alexnet, small_convnet, or package.module:function.")
+flags.DEFINE_string("dataset", "digits", "digits, synthetic or tfds:NAME: gives the input shape and classes.")
+flags.DEFINE_string("data_dir", None, "TFDS data directory for --dataset=tfds:NAME.")
+flags.DEFINE_integer("image_size", 0, "Resize images to SIZE x SIZE (0: the data set's own size; synthetic: 224).")
+flags.DEFINE_integer("batch_size", 64, "GLOBAL batch size, split over the replicas.")
+flags.DEFINE_string("profile", "measure", "A shipped device profile (titan_pcie3, k20_pcie3, v100_nvlink, "
+                    "a100_pcie4, h100_nvlink, h200_nvlink), a path to a profile .json, or 'measure' to "
+                    "benchmark the devices of this machine for a few seconds.")
+flags.DEFINE_integer("num_devices", 0, "Devices to plan for (0: the profile's devices, or all found).")
+flags.DEFINE_integer("cpu_devices", 0, "With --profile=measure: measure N logical CPU devices instead of GPUs.")
+flags.DEFINE_float("grad_overlap", 0.0, "Fraction of the gradient all-reduce assumed hidden behind compute.")
+flags.DEFINE_string("out_dir", None, "Also write plan.md and plan.json here.")
+FLAGS = flags.FLAGS
+_OWN_FLAGS = ("model", "dataset", "data_dir", "image_size", "batch_size", "profile", "num_devices",
+              "cpu_devices", "grad_overlap", "out_dir")
+
+
+def main(argv):
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+    logging.set_verbosity(logging.WARNING)
+    try:
+        table = _plan()
+    except UsageError as e:
+        _fail(str(e))
+    from tf_multigpu.planner import to_markdown
+    text = to_markdown(table)
+    print(text, flush=True)
+    if FLAGS.out_dir:
+        try:
+            os.makedirs(FLAGS.out_dir, exist_ok=True)
+            with open(os.path.join(FLAGS.out_dir, "plan.md"), "w") as f:
+                f.write(text)
+            with open(os.path.join(FLAGS.out_dir, "plan.json"), "w") as f:
+                json.dump(table.to_dict(), f, indent=2)
+        except OSError as e:
+            _fail(f"cannot write to --out_dir={FLAGS.out_dir} ({e.strerror}): give a writable directory")
+
+
+def _plan():
+    """The ranked table for the flags (UsageError on bad input)."""
+    if FLAGS.batch_size < 1:
+        raise UsageError(f"--batch_size={FLAGS.batch_size} must be >= 1")
+    if FLAGS.num_devices < 0 or FLAGS.cpu_devices < 0:
+        raise UsageError("--num_devices and --cpu_devices must be >= 0")
+    if not 0 <= FLAGS.grad_overlap <= 1:
+        raise UsageError(f"--grad_overlap={FLAGS.grad_overlap} must be in [0, 1]")
+    from tf_multigpu import planner
+    profile = None
+    if FLAGS.profile != "measure":
+        if FLAGS.cpu_devices:
+            raise UsageError("--cpu_devices applies to --profile=measure only: drop it or measure")
+        profile = planner.load(FLAGS.profile)   # before the model: a bad name fails fast
+    from tf_multigpu.data import load_source
+    from tf_multigpu.models import build_model, get_factory
+    get_factory(FLAGS.model)
+    source = load_source(FLAGS.dataset, FLAGS.data_dir, FLAGS.image_size)
+    if profile is None:
+        from tf_multigpu.parallel import configure_devices
+        devices = configure_devices(FLAGS.num_devices, FLAGS.cpu_devices)
+        profile = planner.measure(devices)
+        num_devices = len(devices)
+    else:
+        num_devices = FLAGS.num_devices or profile.num_devices
+        if not num_devices:
+            raise UsageError(f"profile {profile.name} does not say how many devices it has: give --num_devices")
+    cost = planner.analyze(build_model(FLAGS.model, source.image_shape, source.num_classes))
+    return planner.plan_table(cost, profile, num_devices, FLAGS.batch_size,
+                              planner.Assumptions(grad_overlap=FLAGS.grad_overlap))
+
+
+def _parse_flags(argv):
+    """absl's parser, but a bad flag is a usage error: one line, exit status 2."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e} (see --help)")
+
+
+def _fail(message: str):
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(USAGE_ERROR)
+
+
+def run():
+    """Console-script entry point."""
+    # absl's --help lists the flags of the module sys.argv[0] names (the console-script wrapper).
+    for name in _OWN_FLAGS:
+        FLAGS.register_flag_by_module(sys.argv[0], FLAGS[name])
+    app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    run()

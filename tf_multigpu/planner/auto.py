@@ -1,0 +1,49 @@
+"""`--strategy=auto`: the training loop asks the planner for the fastest plan that fits.
+
+The devices of the run are measured (`device_profile.measure`, a few seconds), the model's
+per-layer cost is taken from the plain Keras model, and the top plan of the ranked table
+becomes the run's strategy, mesh and layout. The prediction is returned so that the loop can
+write it next to the measured step time in summary.json: every auto run checks the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tf_multigpu.config import Config
+from tf_multigpu.models import build_model
+from tf_multigpu.planner.cost_model import analyze
+from tf_multigpu.planner.device_profile import measure
+from tf_multigpu.planner.predict import plan_table
+
+
+def resolve_strategy(cfg: Config, devices, source, profile=None) -> tuple[Config, dict | None]:
+    """(cfg with the top plan's strategy, mesh and layout, the prediction) for --strategy=auto;
+    (cfg, None) for any other strategy. `profile` defaults to a measurement of `devices`."""
+    if cfg.strategy != "auto":
+        return cfg, None
+    cost = analyze(build_model(cfg.model, source.image_shape, source.num_classes))
+    profile = profile or measure(devices)
+    table = plan_table(cost, profile, len(devices), cfg.batch_size)
+    best = table.best
+    print(f"--strategy=auto chose {best.label} ({best.flags()}): predicted {best.step_time_s * 1e3:.1f} ms "
+          f"per step, {best.speedup:.2f}x one device, {best.binding}-bound, "
+          f"{best.memory['total'] / 2**20:.1f} MiB per device (profile {profile.name}; "
+          f"runner-up {table.plans[1].label if len(table.plans) > 1 else 'none'})", flush=True)
+    resolved = dataclasses.replace(cfg, strategy=best.strategy, mesh=best.mesh,
+                                   layout=best.layout or Config.layout)
+    record = {
+        "strategy": best.strategy, "mesh": best.mesh, "layout": best.layout, "label": best.label,
+        "predicted_step_time_s": best.step_time_s, "predicted_compute_s": best.compute_s,
+        "predicted_activation_comm_s": best.activation_comm_s, "predicted_grad_comm_s": best.grad_comm_s,
+        "predicted_memory_per_device_bytes": best.memory["total"], "predicted_speedup": best.speedup,
+        "binding": best.binding, "profile": profile.to_dict(),
+        "ranking": [(p.label, p.step_time_s) for p in table.plans],
+    }
+    return resolved, record
+
+
+def with_measurement(record: dict, step_time_s) -> dict:
+    """The prediction with the run's measured step time and their ratio."""
+    ratio = step_time_s / record["predicted_step_time_s"] if step_time_s else None
+    return {**record, "measured_step_time_s": step_time_s, "measured_over_predicted": ratio}

@@ -1,0 +1,276 @@
+"""Predicted step time and memory per device of every plan the package can run, ranked.
+
+A plan is (strategy, mesh batch x model, layout policy): `single` (one device), `data` (all N
+devices replicate the model), `model` (mesh 1 x N) and `hybrid` (B x M, both > 1) under each
+built-in layout of `parallel/layouts.py`. For each, from the model's per-layer cost
+(`cost_model`) and a DeviceProfile:
+
+  compute     = FLOPs one device runs per step / its sustained rate. A device runs its
+                group's whole batch (global / B) through layers that are not split (the
+                model axis computes them redundantly, as DTensor does) and 1/M of it through
+                split ones; SplitConv2D's im2col formulation costs `split_conv_overhead` x its
+                einsum FLOPs (measured against tf.nn.conv2d, BUILD_NOTES.md).
+  activations = the all-gathers (forward) and input-gradient all-reduces (backward) of the
+                model-parallel layers, over the model axis. They sit on the critical path:
+                no overlap.
+  gradients   = one ring all-reduce of each device's gradient bytes over the batch axis
+                (data: over all N). Exposed fraction 1 - `grad_overlap`; the default overlap
+                is 0 because our step overlaps nothing: Keras all-reduces every gradient in
+                one pack inside `optimizer.apply`, after the backward pass ends.
+  ring collectives: all-reduce 2(n-1)/n x bytes / bandwidth + 2(n-1) x latency; all-gather
+                (n-1)/n x bytes / bandwidth + (n-1) x latency (n devices on the axis).
+  step time   = compute + activations + (1 - grad_overlap) x gradients.
+  memory      = parameters + gradients + momentum slot (this device's shards) + activations
+                kept for the backward (+ split-conv patches) + the input batch; it fits if
+                <= `memory_fraction` x the device's memory.
+
+The binding resource is memory for a plan that does not fit, else the larger of compute and
+exposed communication. Plans that do not fit are ranked after every plan that does and are
+never the recommendation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.layouts import POLICIES
+from tf_multigpu.planner.cost_model import BYTES_PER_VALUE, ModelCost, placement
+from tf_multigpu.planner.device_profile import DeviceProfile
+
+
+@dataclasses.dataclass(frozen=True)
+class Assumptions:
+    """The knobs of the prediction, all stated in the table's footer."""
+
+    grad_overlap: float = 0.0          # fraction of the gradient all-reduce hidden behind compute
+    split_conv_overhead: float = 1.3   # SplitConv2D time / tf.nn.conv2d time at equal FLOPs, where
+                                       # the profile has no measured value (BUILD_NOTES: 1.24-1.5 on CPU)
+    memory_fraction: float = 0.9       # usable share of a device's memory (runtime, workspace)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One candidate and its prediction (times in seconds, sizes in bytes, per device)."""
+
+    strategy: str
+    batch: int                  # mesh batch axis (data-parallel groups)
+    model: int                  # mesh model axis (devices sharing each split layer)
+    layout: str                 # "" for single / data
+    per_device_batch: int       # examples each device's group runs through unsplit layers
+    compute_s: float = 0.0
+    activation_comm_s: float = 0.0
+    grad_comm_s: float = 0.0
+    step_time_s: float = 0.0
+    activation_comm_bytes: float = 0.0
+    grad_comm_bytes: float = 0.0
+    memory: dict = dataclasses.field(default_factory=dict)
+    fits: bool = True
+    binding: str = ""
+    speedup: float = 0.0
+    error: str = ""             # why the plan cannot run (then nothing else is set)
+
+    @property
+    def devices(self) -> int:
+        return self.batch * self.model
+
+    @property
+    def mesh(self) -> str:
+        """The --mesh flag value ("" where the strategy takes none)."""
+        return f"batch:{self.batch},model:{self.model}" if self.strategy in ("model", "hybrid") else ""
+
+    @property
+    def label(self) -> str:
+        if self.strategy == "single":
+            return "single"
+        if self.strategy == "data":
+            return f"data x{self.batch}"
+        return f"{self.strategy} {self.batch}x{self.model} {self.layout}"
+
+    def flags(self) -> str:
+        """The tf-multigpu-train flags that run this plan."""
+        out = f"--strategy={self.strategy}"
+        if self.mesh:
+            out += f" --mesh={self.mesh} --layout={self.layout}"
+        return out
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(mesh=self.mesh, label=self.label, devices=self.devices)
+        return out
+
+
+def candidates(num_devices: int) -> list[tuple[str, int, int, str]]:
+    """(strategy, B, M, layout) for every plan on `num_devices` that check_mesh allows."""
+    out = [("single", 1, 1, "")]
+    if num_devices > 1:
+        out.append(("data", num_devices, 1, ""))
+        out += [("model", 1, num_devices, layout) for layout in POLICIES]
+        for m in range(2, num_devices // 2 + 1):
+            if num_devices % m == 0 and num_devices // m >= 2:
+                out += [("hybrid", num_devices // m, m, layout) for layout in POLICIES]
+    return out
+
+
+def _ring(op: str, n: int, nbytes: float, profile: DeviceProfile) -> float:
+    """Seconds of one ring collective of a `nbytes` tensor over `n` devices."""
+    if n < 2 or nbytes <= 0:
+        return 0.0
+    hops = 2 * (n - 1) if op == "all_reduce" else n - 1
+    return hops / n * nbytes / profile.link_bandwidth_bytes_per_s + hops * profile.link_latency_s
+
+
+def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, strategy: str, b: int, m: int,
+                 layout: str, assumptions: Assumptions = Assumptions()) -> Plan:
+    """The prediction for one plan (a Plan with `error` set when it cannot run)."""
+    group_batch = global_batch // b
+    plan = Plan(strategy, b, m, layout, group_batch)
+    if global_batch % b:
+        return dataclasses.replace(plan, error=f"global batch {global_batch} does not divide by {b} replicas")
+    try:
+        layers = placement(cost, layout or None, {"batch": b, "model": m})
+    except UsageError as e:
+        return dataclasses.replace(plan, error=str(e))
+    rate = profile.alone_flops_per_s if strategy == "single" else profile.flops_per_s
+    overhead = profile.split_conv_overhead or assumptions.split_conv_overhead
+    flops = sum((p.fwd_flops + p.bwd_flops) + (overhead - 1) * p.split_conv_flops
+                for p in layers) * group_batch
+    compute = flops / rate
+    act_s = act_bytes = 0.0
+    for p in layers:
+        for c in p.collectives:
+            nbytes = c.elems_per_example * group_batch * BYTES_PER_VALUE
+            act_s += _ring(c.op, m, nbytes, profile)
+            act_bytes += nbytes * ((2 * (m - 1) / m) if c.op == "all_reduce" else (m - 1) / m)
+    grads = sum(p.grad_bytes for p in layers)
+    if strategy == "data":   # MirroredStrategy packs every gradient into one all-reduce
+        grad_s = _ring("all_reduce", b, grads, profile)
+    else:                    # DTensor: one all-reduce per gradient tensor
+        grad_s = sum(_ring("all_reduce", b, p.grad_bytes, profile) for p in layers)
+    grad_bytes = 2 * (b - 1) / b * grads if b > 1 else 0.0
+    step = compute + act_s + (1 - assumptions.grad_overlap) * grad_s
+    params = sum(p.param_bytes for p in layers)
+    memory = {"parameters": params, "gradients": grads, "optimizer_slots": grads,
+              "activations": sum(p.activation_bytes for p in layers) * group_batch
+              + cost.input_elems * group_batch * BYTES_PER_VALUE}
+    memory["total"] = sum(memory.values())
+    fits = memory["total"] <= assumptions.memory_fraction * profile.memory_bytes
+    exposed = act_s + (1 - assumptions.grad_overlap) * grad_s
+    binding = "memory" if not fits else ("compute" if compute >= exposed else "communication")
+    return dataclasses.replace(plan, compute_s=compute, activation_comm_s=act_s, grad_comm_s=grad_s,
+                               step_time_s=step, activation_comm_bytes=act_bytes, grad_comm_bytes=grad_bytes,
+                               memory=memory, fits=fits, binding=binding)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanTable:
+    """Every candidate, ranked: fitting plans by predicted step time, then the others."""
+
+    model: str
+    global_batch: int
+    num_devices: int
+    profile: DeviceProfile
+    assumptions: Assumptions
+    plans: tuple          # runnable plans, ranked
+    skipped: tuple        # plans that cannot run (error set)
+
+    @property
+    def best(self) -> Plan:
+        """The recommendation: the fastest plan that fits (UsageError if none does)."""
+        if not self.plans or not self.plans[0].fits:
+            raise UsageError(f"no plan for {self.model} with global batch {self.global_batch} fits in "
+                             f"{self.profile.memory_bytes / 2**30:.1f} GiB per device: use a smaller --batch_size "
+                             "or more devices")
+        return self.plans[0]
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "global_batch": self.global_batch, "num_devices": self.num_devices,
+                "profile": self.profile.to_dict(), "assumptions": dataclasses.asdict(self.assumptions),
+                "plans": [p.to_dict() for p in self.plans], "skipped": [p.to_dict() for p in self.skipped],
+                "recommended": self.plans[0].to_dict() if self.plans and self.plans[0].fits else None,
+                "explanation": explain(self)}
+
+
+def plan_table(cost: ModelCost, profile: DeviceProfile, num_devices: int, global_batch: int,
+               assumptions: Assumptions = Assumptions()) -> PlanTable:
+    """Predicts every candidate plan on `num_devices` and ranks them."""
+    if num_devices < 1:
+        raise UsageError(f"cannot plan for {num_devices} devices: give --num_devices >= 1")
+    plans = [predict_plan(cost, profile, global_batch, *c, assumptions) for c in candidates(num_devices)]
+    ok = [p for p in plans if not p.error]
+    single = next((p for p in ok if p.strategy == "single"), None)
+    ok = [dataclasses.replace(p, speedup=single.step_time_s / p.step_time_s if single and p.step_time_s else 0.0)
+          for p in ok]
+    ok.sort(key=lambda p: (not p.fits, p.step_time_s))
+    return PlanTable(cost.name, global_batch, num_devices, profile, assumptions, tuple(ok),
+                     tuple(p for p in plans if p.error))
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
+
+
+def explain(table: PlanTable) -> str:
+    """Why the top plan wins, in numbers, against the best data-parallel (or runner-up) plan."""
+    fitting = [p for p in table.plans if p.fits]
+    if not fitting:
+        return "No plan fits in memory."
+    best = fitting[0]
+    rival = next((p for p in table.plans if p.strategy == "data" and p is not best), None)
+    rival = rival or next((p for p in table.plans if p is not best), None)
+
+    def parts(p):
+        return (f"{p.label}: {_ms(p.step_time_s)} ms = compute {_ms(p.compute_s)} + activation exchange "
+                f"{_ms(p.activation_comm_s)} ({_mib(p.activation_comm_bytes)} MiB per device) + gradient all-reduce "
+                f"{_ms((1 - table.assumptions.grad_overlap) * p.grad_comm_s)} ({_mib(p.grad_comm_bytes)} MiB per device)"
+                f"; {_mib(p.memory['total'])} MiB per device{'' if p.fits else ' (does not fit)'}")
+
+    text = f"Recommended {best.label} ({best.flags()}), {best.binding}-bound. {parts(best)}."
+    if rival:
+        text += (f" Against {parts(rival)}: {best.label} is {rival.step_time_s / best.step_time_s:.2f}x faster "
+                 f"per step.")
+    return text
+
+
+def to_markdown(table: PlanTable) -> str:
+    """The ranked table, with the profile and assumptions it rests on."""
+    p = table.profile
+    lines = [
+        (f"# Plans for {table.model}, global batch {table.global_batch}, {table.num_devices} devices, "
+         f"profile {p.name}"),
+        "",
+        ("| rank | plan | flags | step ms | compute ms | activation comm ms | gradient comm ms | comm MiB/device "
+         "| memory MiB/device | fits | binding | speedup |"),
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |",
+    ]
+    for rank, plan in enumerate(table.plans, 1):
+        lines.append(
+            f"| {rank} | {plan.label} | `{plan.flags()}` | {_ms(plan.step_time_s)} | {_ms(plan.compute_s)} | "
+            f"{_ms(plan.activation_comm_s)} | {_ms(plan.grad_comm_s)} | "
+            f"{_mib(plan.activation_comm_bytes + plan.grad_comm_bytes)} | {_mib(plan.memory['total'])} | "
+            f"{'yes' if plan.fits else '**no**'} | {plan.binding} | {plan.speedup:.2f}x |")
+    for plan in table.skipped:
+        lines.append(f"| - | {plan.label} | `{plan.flags()}` | cannot run: {plan.error} | | | | | | | | |")
+    a = table.assumptions
+    lines += [
+        "",
+        explain(table),
+        "",
+        (f"Profile {p.name}: {p.flops_per_s / 1e12:.3g} TFLOP/s sustained per device "
+         f"({p.peak_flops_per_s / 1e12:.3g} peak x {p.compute_efficiency:g} efficiency; one device alone "
+         f"{p.alone_flops_per_s / 1e12:.3g}), {p.memory_bytes / 2**30:.1f} GiB per device, links "
+         f"{p.link_bandwidth_bytes_per_s / 1e9:.3g} GB/s and {p.link_latency_s * 1e6:.3g} us per ring hop. "
+         f"{p.description}"),
+        "",
+        (f"Assumptions: step = compute + activation exchange (on the critical path) + "
+         f"{1 - a.grad_overlap:g} x gradient all-reduce (grad_overlap={a.grad_overlap:g}); ring collectives; "
+         f"FLOPs of convolutions and dense layers (2 per multiply-add) and pooling only; split convolutions "
+         f"cost {p.split_conv_overhead or a.split_conv_overhead:.3g}x their FLOPs; a plan fits if parameters + "
+         f"gradients + momentum + activations <= {a.memory_fraction:g} x device memory. Speedup is against "
+         f"`single` on one device of the same profile."),
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,106 @@
+"""Does the planner rank plans as they measure? Predicted against measured step times.
+
+    python tools/plan_vs_measured.py --model=small_convnet --dataset=digits --batch_size=256
+    python tools/plan_vs_measured.py --model=alexnet --dataset=synthetic --image_size=64 --batch_size=64
+
+On --cpu_devices logical CPU devices: measures a device profile and predicts every plan here,
+then trains each plan for --steps steps in a FRESH process (`python -m tf_multigpu.train`: a
+second DTensor mesh in one process can hang, BUILD_NOTES.md) and reads its summary.json
+`step_time_s` (the warm-up window excluded). Prints, as Markdown: predicted and measured step
+time per plan, their ratio, both rankings, Kendall's tau between them (tau-a, computed here)
+and the pairs of plans the two orders disagree on. Logical CPUs share the machine's cores, and
+other jobs may share the machine: the times are noisy.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from absl import app, flags, logging
+
+flags.DEFINE_string("model", "small_convnet", "Model name.")
+flags.DEFINE_string("dataset", "digits", "Data set name.")
+flags.DEFINE_integer("image_size", 0, "Image size (synthetic / TFDS).")
+flags.DEFINE_integer("batch_size", 256, "Global batch.")
+flags.DEFINE_integer("cpu_devices", 4, "Logical CPU devices.")
+flags.DEFINE_integer("steps", 30, "Training steps per plan (the first --log_every are warm-up).")
+flags.DEFINE_integer("log_every", 5, "Logging window; the first window is not timed.")
+FLAGS = flags.FLAGS
+
+
+def kendall_tau(xs, ys) -> tuple[float, list]:
+    """Kendall's tau-a of two score lists, and the index pairs ordered differently."""
+    n, concordant, disagree = len(xs), 0, []
+    for i in range(n):
+        for j in range(i + 1, n):
+            s = (xs[i] - xs[j]) * (ys[i] - ys[j])
+            if s > 0:
+                concordant += 1
+            elif s < 0:
+                disagree.append((i, j))
+    pairs = n * (n - 1) // 2
+    return ((concordant - len(disagree)) / pairs if pairs else 1.0), disagree
+
+
+def measure_plan(plan, workdir) -> float:
+    """Steady-state step time of `plan` trained for --steps steps in a fresh process."""
+    run_dir = os.path.join(workdir, plan.label.replace(" ", "_"))
+    args = [sys.executable, "-m", "tf_multigpu.train", f"--run_dir={run_dir}", f"--model={FLAGS.model}",
+            f"--dataset={FLAGS.dataset}", f"--batch_size={FLAGS.batch_size}", f"--steps={FLAGS.steps}",
+            f"--log_every={FLAGS.log_every}", f"--checkpoint_every={FLAGS.steps}",
+            f"--eval_every={FLAGS.steps}", f"--cpu_devices={FLAGS.cpu_devices}", *plan.flags().split()]
+    if FLAGS.image_size:
+        args.append(f"--image_size={FLAGS.image_size}")
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{plan.label} failed: {done.stderr.strip().splitlines()[-1]}")
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)["step_time_s"]
+
+
+def main(_):
+    logging.set_verbosity(logging.ERROR)
+    from tf_multigpu import planner
+    from tf_multigpu.data import load_source
+    from tf_multigpu.models import build_model
+    from tf_multigpu.parallel import configure_devices
+
+    devices = configure_devices(0, FLAGS.cpu_devices)
+    profile = planner.measure(devices)
+    source = load_source(FLAGS.dataset, None, FLAGS.image_size)
+    cost = planner.analyze(build_model(FLAGS.model, source.image_shape, source.num_classes))
+    table = planner.plan_table(cost, profile, len(devices), FLAGS.batch_size)
+    plans = [p for p in table.plans if p.fits]
+    with tempfile.TemporaryDirectory() as workdir:
+        measured = [measure_plan(p, workdir) for p in plans]
+    predicted = [p.step_time_s for p in plans]
+    tau, disagree = kendall_tau(predicted, measured)
+    order = sorted(range(len(plans)), key=lambda i: measured[i])
+    print(f"## {FLAGS.model}, {source.name} {source.image_shape}, global batch {FLAGS.batch_size}, "
+          f"{len(devices)} logical CPU devices, {FLAGS.steps} steps per plan\n")
+    print("| plan | predicted ms | measured ms | measured / predicted | predicted rank | measured rank |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for i, p in enumerate(plans):
+        print(f"| {p.label} | {predicted[i] * 1e3:.1f} | {measured[i] * 1e3:.1f} | "
+              f"{measured[i] / predicted[i]:.2f} | {i + 1} | {order.index(i) + 1} |")
+    ratios = [m / p for m, p in zip(measured, predicted)]
+    print(f"\nKendall's tau (predicted vs measured order): {tau:.2f} over {len(plans)} plans; "
+          f"measured / predicted from {min(ratios):.2f} to {max(ratios):.2f}.")
+    if disagree:
+        print("Pairs ordered differently: " + "; ".join(
+            f"{plans[i].label} vs {plans[j].label} (predicted {predicted[i] * 1e3:.0f} vs {predicted[j] * 1e3:.0f} ms, "
+            f"measured {measured[i] * 1e3:.0f} vs {measured[j] * 1e3:.0f} ms)" for i, j in disagree))
+    p = profile
+    print(f"\nMeasured profile: {p.flops_per_s / 1e9:.1f} GFLOP/s per device with all busy, "
+          f"{p.alone_flops_per_s / 1e9:.1f} alone, all-reduce {p.link_bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
+          f"{p.link_latency_s * 1e6:.0f} us per hop, split conv {p.split_conv_overhead:.2f}x tf.nn.conv2d.")
+
+
+if __name__ == "__main__":
+    app.run(main)
