@@ -13,9 +13,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up ch
 from absl import app, flags, logging
 
 from tf_multigpu.config import flags as run_flags
-from tf_multigpu.errors import UsageError
+from tf_multigpu.errors import DoesNotFit, UsageError
 
 USAGE_ERROR = 2
+DOES_NOT_FIT = 3   # out of device memory: a batch-size search reads this
 
 
 def main(argv):
@@ -30,11 +31,26 @@ def main(argv):
             enable_graph_dumps()
         from tf_multigpu.parallel import configure_devices  # imports TensorFlow
         from tf_multigpu.training.loop import train
-        devices = configure_devices(1 if cfg.strategy == "single" else cfg.num_devices, cfg.cpu_devices)
-        summary = train(cfg, devices)
+        devices = configure_devices(1 if cfg.strategy == "single" else cfg.num_devices, cfg.cpu_devices,
+                                    cfg.device_memory_limit, cfg.logical_gpus)
+        summary = _train_or_report_oom(train, cfg, devices)
+    except DoesNotFit as e:
+        _fail(str(e), DOES_NOT_FIT)
     except UsageError as e:
         _fail(str(e))
     print(json.dumps(summary, sort_keys=True), flush=True)
+
+
+def _train_or_report_oom(train, cfg, devices):
+    """train(), with the runtime's out-of-memory error turned into DoesNotFit (one line)."""
+    import tensorflow as tf
+    try:
+        return train(cfg, devices)
+    except tf.errors.ResourceExhaustedError as e:
+        first_line = str(e).strip().splitlines()[0][:200]
+        raise DoesNotFit(f"out of device memory with --strategy={cfg.strategy} --batch_size={cfg.batch_size} "
+                         f"({first_line}): use a smaller --batch_size or split the model "
+                         "(--strategy=model or hybrid)") from None
 
 
 def _parse_flags(argv):
@@ -45,9 +61,9 @@ def _parse_flags(argv):
         _fail(f"{e} (see --help)")
 
 
-def _fail(message: str):
+def _fail(message: str, status: int = USAGE_ERROR):
     print(f"tf-multigpu-train: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(USAGE_ERROR)
+    sys.exit(status)
 
 
 def run():

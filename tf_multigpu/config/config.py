@@ -58,6 +58,9 @@ class Config:
     log_every: int = 10
     dtype: str = "float32"        # compute dtype: bfloat16/float16 = Keras mixed precision
     xla: bool = False             # XLA-compile each replica's forward and backward pass
+    device_memory_limit: int = 0  # MiB per device; 0: no cap
+    logical_gpus: int = 1         # logical GPUs carved from each physical GPU
+    export: bool = True           # write the SavedModel at the end
     profile_steps: str = ""       # "A,B": trace steps A..B (1-based) for TensorBoard and the comm report
 
     def validate(self) -> Config:
@@ -72,6 +75,11 @@ class Config:
         _at_least("num_devices", self.num_devices, 0)
         _at_least("cpu_devices", self.cpu_devices, 0)
         _at_least("image_size", self.image_size, 0)
+        _at_least("device_memory_limit", self.device_memory_limit, 0)
+        _at_least("logical_gpus", self.logical_gpus, 1)
+        if self.logical_gpus > 1 and not self.device_memory_limit:
+            raise UsageError(f"--logical_gpus={self.logical_gpus} needs --device_memory_limit=MiB: the memory "
+                             "each logical GPU gets, e.g. --device_memory_limit=30000")
         _at_least("warmup_steps", self.warmup_steps, 0)
         _at_least("checkpoint_every", self.checkpoint_every, 1)
         _at_least("eval_every", self.eval_every, 0)

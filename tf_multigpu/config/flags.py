@@ -67,6 +67,12 @@ flags.DEFINE_string("dtype", _D.dtype, f"Compute dtype, one of {', '.join(DTYPES
                     "are Keras mixed precision (weights and updates stay float32); float16 adds dynamic "
                     "loss scaling.")
 flags.DEFINE_boolean("xla", _D.xla, "XLA-compile (jit_compile) each replica's forward and backward pass.")
+flags.DEFINE_integer("device_memory_limit", _D.device_memory_limit, "MiB of memory per device (0: no cap). "
+                     "GPUs get logical devices capped at this size; on CPUs the run's estimated bytes per "
+                     "device are checked against it. A run that does not fit exits with status 3.")
+flags.DEFINE_integer("logical_gpus", _D.logical_gpus, "Carve K logical GPUs out of each physical GPU (needs "
+                     "--device_memory_limit): tries multi-device strategies on one GPU; they do not use NCCL.")
+flags.DEFINE_boolean("export", _D.export, "Export a SavedModel at the end (--noexport: skip, e.g. for benchmarks).")
 flags.DEFINE_string("profile_steps", _D.profile_steps, "A,B: trace training steps A to B (counted from 1) "
                     "with the TensorFlow profiler into RUN_DIR/tensorboard (profile tab) and write the "
                     "communication report RUN_DIR/comm_report.{md,json}. Skip the first steps (compilation).")

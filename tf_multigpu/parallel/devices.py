@@ -15,10 +15,14 @@ from tf_multigpu.errors import UsageError
 DEFAULT_CPU_DEVICES = 2
 
 
-def configure_devices(num_devices: int = 0, cpu_devices: int = 0) -> list[str]:
+def configure_devices(num_devices: int = 0, cpu_devices: int = 0, memory_limit_mb: int = 0,
+                      logical_gpus: int = 1) -> list[str]:
     """Names of the devices to use: GPUs if any (first `num_devices`), else logical CPUs.
 
     `cpu_devices > 0` forces N logical CPU devices even where GPUs exist (GPUs are hidden).
+    On GPUs, `memory_limit_mb` caps each device (TensorFlow's logical devices with a memory
+    limit) and `logical_gpus` carves that many such devices out of each physical GPU. CPU
+    devices cannot be capped; the loop checks its memory estimate against the limit instead.
     """
     gpus = tf.config.list_physical_devices("GPU")
     use_cpu = cpu_devices > 0 or not gpus
@@ -36,6 +40,10 @@ def configure_devices(num_devices: int = 0, cpu_devices: int = 0) -> list[str]:
         found = found[:wanted]   # the runtime may have been started with more (tests): take the first
         hint = f"use --cpu_devices>={num_devices}"
     else:
+        if memory_limit_mb:
+            for gpu in gpus:
+                _try(lambda gpu=gpu: tf.config.set_logical_device_configuration(
+                    gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)] * logical_gpus))
         found = [d.name for d in tf.config.list_logical_devices("GPU")]
         hint = f"use --num_devices<={len(found)}, or --cpu_devices={num_devices} to test on logical CPUs"
     if num_devices > len(found):

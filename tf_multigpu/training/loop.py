@@ -17,7 +17,7 @@ import tensorflow as tf
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.data.pipeline import steps_per_epoch, test_dataset, train_dataset
-from tf_multigpu.errors import UsageError
+from tf_multigpu.errors import DoesNotFit, UsageError
 from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model, get_factory
 from tf_multigpu.parallel import make_parallelism
@@ -52,10 +52,11 @@ def train(cfg: Config, devices: list[str]) -> dict:
     start = int(optimizer.iterations.numpy())
     profiler = _profiler(cfg, paths, par, model, start, total_steps)
 
+    memory = bytes_per_device(model, optimizer, par)
+    _check_fits(cfg, memory, par)
     # Input is valid and any earlier state restored: from here on the run writes.
     tf.io.gfile.makedirs(paths.root)
     cfg.write(paths.config)
-    memory = bytes_per_device(model, optimizer, par)
     print(f"{par.name} parallelism on {len(par.devices)} device(s): {', '.join(par.devices)}; "
           f"{source.name} {source.image_shape}, {cfg.model} ({model.count_params():,} parameters), "
           f"global batch {cfg.batch_size}, steps {start}..{total_steps}; per device: "
@@ -123,7 +124,7 @@ def train(cfg: Config, devices: list[str]) -> dict:
         metadata={"config": cfg.__dict__, "class_names": list(source.class_names),
                   "input_shape": list(source.image_shape), "pixel_dtype": source.pixel_dtype.name,
                   "metrics": test_metrics, "step": total_steps},
-        checkpoint=manager.latest_checkpoint)
+        checkpoint=manager.latest_checkpoint) if cfg.export else None
     summary = {
         "step": total_steps, "strategy": par.name, "devices": par.devices,
         "model": cfg.model, "dataset": source.name, "global_batch": cfg.batch_size,
@@ -139,6 +140,24 @@ def train(cfg: Config, devices: list[str]) -> dict:
         summary["plan"] = with_measurement(plan, summary["step_time_s"])
     run_dir.write_json(paths.summary, summary)
     return summary
+
+
+def _check_fits(cfg, memory: dict, par) -> None:
+    """Refuses a run whose estimated bytes per device exceed --device_memory_limit.
+
+    Activations grow with the batch, the rest does not, so the message can name the largest
+    global batch the estimate allows.
+    """
+    limit = cfg.device_memory_limit * 2**20
+    if not limit or memory["total"] <= limit:
+        return
+    per_example = memory["activations"] / par.replica_batch
+    fits = int((limit - (memory["total"] - memory["activations"])) // per_example) * par.num_replicas
+    hint = (f"use --batch_size<={fits}" if fits >= par.num_replicas
+            else "even one example per device does not fit")
+    raise DoesNotFit(f"--strategy={par.name} --batch_size={cfg.batch_size} needs about "
+                     f"{memory['total'] / 2**20:.0f} MiB per device but --device_memory_limit={cfg.device_memory_limit}: "
+                     f"{hint}, or split the model (--strategy=model or hybrid)")
 
 
 def _profiler(cfg, paths, par, model, start, total_steps):
