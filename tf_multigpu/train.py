@@ -1,7 +1,9 @@
 """tf-multigpu-train: the command-line entry point (also `python -m tf_multigpu.train`).
 
-Intentionally short: parse flags, build one validated config, configure the devices (before
-TensorFlow initialises), and call the training loop. Bad input prints one line and exits 2.
+Intentionally short: parse flags, build one validated config, find the cluster (if any),
+configure the devices or start the multi-worker runtime (before TensorFlow initialises), and
+call the training loop. Bad input prints one line and exits 2; a SIGTERM stops after a
+checkpoint with status 143; a lost worker is one line and status 1.
 """
 
 import json
@@ -16,20 +18,40 @@ from tf_multigpu.config import flags as run_flags  # noqa: E402  (defines the fl
 from tf_multigpu.errors import UsageError  # noqa: E402
 
 USAGE_ERROR = 2
+PEER_LOST = 1
 
 
 def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
     logging.set_verbosity(logging.WARNING)   # TF's own INFO lines would bury the progress bar
+    cluster = None
     try:
         cfg = run_flags.config_from_flags()
+        from tf_multigpu.parallel import cluster as clusters
+        cluster = clusters.resolve_cluster(cfg.worker_hosts, cfg.task_index)
+        if cluster and cfg.strategy == "single":
+            raise UsageError(f"--strategy=single runs in one process, but {cluster.source} describes "
+                             f"{cluster.num_workers} workers: use --strategy=data, model or hybrid")
         from tf_multigpu.parallel import configure_devices   # imports TensorFlow
         from tf_multigpu.training.loop import train
-        devices = configure_devices(1 if cfg.strategy == "single" else cfg.num_devices, cfg.cpu_devices)
-        summary = train(cfg, devices)
+        from tf_multigpu.training.preemption import PREEMPTED_EXIT_CODE, Preempted
+        if cluster:
+            runtime = clusters.start_runtime(cluster, cfg.strategy, cfg.cpu_devices, cfg.num_devices, cfg.peer_timeout)
+            devices = runtime.local_devices
+        else:
+            runtime = None
+            devices = configure_devices(1 if cfg.strategy == "single" else cfg.num_devices, cfg.cpu_devices)
+        summary = train(cfg, devices, runtime)
     except UsageError as e:
         _fail(str(e))
+    except Preempted as e:
+        _fail(str(e), PREEMPTED_EXIT_CODE)
+    except Exception as e:  # noqa: BLE001  a peer lost mid-collective: one line, not a trace
+        import tensorflow as tf
+        if not (cluster and isinstance(e, tf.errors.OpError)):
+            raise
+        _fail(clusters.describe_peer_failure(e), PEER_LOST)
     print(json.dumps(summary, sort_keys=True), flush=True)
 
 
@@ -41,9 +63,9 @@ def _parse_flags(argv):
         _fail(f"{e} (see --help)")
 
 
-def _fail(message: str):
+def _fail(message: str, status: int = USAGE_ERROR):
     print(f"tf-multigpu-train: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(USAGE_ERROR)
+    sys.exit(status)
 
 
 def run():

@@ -55,6 +55,13 @@ flags.DEFINE_integer("seed", _D.seed, "Seed for initial weights and batch order;
 flags.DEFINE_integer("checkpoint_every", _D.checkpoint_every, "Save a checkpoint every N steps (and at the end).")
 flags.DEFINE_integer("eval_every", _D.eval_every, "Evaluate on the test split every N steps (0: each epoch).")
 flags.DEFINE_integer("log_every", _D.log_every, "Update the progress bar and TensorBoard every N steps.")
+flags.DEFINE_string("worker_hosts", _D.worker_hosts, "Multi-worker training: HOST:PORT of every worker, "
+                    "comma-separated, the same list on every worker (default: TF_CONFIG, else Slurm, else "
+                    "one process). With a cluster, --cpu_devices and --num_devices count per worker.")
+flags.DEFINE_integer("task_index", _D.task_index, "This worker's position in --worker_hosts; 0 is the chief, "
+                     "which alone writes config, summaries, summary.json and the export.")
+flags.DEFINE_integer("peer_timeout", _D.peer_timeout, "Multi-worker: seconds a worker may go silent (no "
+                     "heartbeat) before the others stop with an error instead of waiting for it.")
 
 FLAGS = flags.FLAGS
 
