@@ -29,6 +29,7 @@ from typing import Optional
 from tf_multigpu.errors import UsageError
 
 JOB = "worker"
+_MAX_TASKS_PER_NODE = 1024
 _HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
 
 
@@ -113,11 +114,17 @@ def _from_tf_config(text: str) -> Cluster:
 
 
 def _from_slurm(port_base: int = 8888) -> Cluster:
-    from tensorflow.distribute.cluster_resolver import SlurmClusterResolver
+    import tensorflow as tf
+    SlurmClusterResolver = tf.distribute.cluster_resolver.SlurmClusterResolver
     try:
-        # No GPUs without nvidia-smi; the resolver would fail running it.
-        gpus = None if shutil.which("nvidia-smi") else 0
-        resolver = SlurmClusterResolver(port_base=port_base, gpus_per_node=gpus, auto_set_gpu=gpus is None)
+        if shutil.which("nvidia-smi"):   # GPUs: the resolver gives each task its share
+            resolver = SlurmClusterResolver(port_base=port_base)
+        else:
+            # The resolver assumes GPUs: without nvidia-smi it fails, with gpus_per_node=0 it
+            # fails with "range() arg 3 must not be zero". A nominal GPU per task, not
+            # applied (auto_set_gpu=False), resolves CPU-only nodes.
+            resolver = SlurmClusterResolver(port_base=port_base, gpus_per_node=_MAX_TASKS_PER_NODE,
+                                            gpus_per_task=1, auto_set_gpu=False)
         spec = resolver.cluster_spec().as_dict()
     except (RuntimeError, KeyError, ValueError) as e:
         raise UsageError(f"cannot read the Slurm allocation ({e}): run under srun, or give "
