@@ -214,3 +214,31 @@ def test_killed_worker_makes_the_other_fail_with_one_line(tmp_path):
     assert len(errors) == 1 and "lost contact with another worker" in errors[0], output[-3000:]
     assert "restart every worker with the same command" in errors[0]
     assert "Traceback" not in output
+
+
+def test_lost_peer_errors_are_one_line():
+    import tensorflow as tf
+    from tf_multigpu.parallel.cluster import describe_peer_failure
+    # The texts TensorFlow 2.21 raised here: a killed peer (socket closed / reset), a frozen one.
+    texts = {
+        "Socket closed": "Graph execution error:\n\nAdditional GRPC error information from remote target "
+                         "/job:worker/replica:0/task:1 while calling /tensorflow.WorkerService/RecvBuf:\n"
+                         ':UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}',
+        "/job:worker/replica:0/task:1 stopped sending heartbeats":
+            "{{function_node __f}} Collective ops is aborted by: Error reported from /job:worker/task:1: The "
+            "following tasks are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1\nThe tasks "
+            "have crashed.",
+    }
+    for reason, text in texts.items():
+        line = describe_peer_failure(tf.errors.UnavailableError(None, None, text))
+        assert "\n" not in line and f"(UnavailableError: {reason})" in line, line
+
+
+def test_launcher_prefixes_output_and_fails_when_a_worker_fails(tmp_path):
+    done = subprocess.run([sys.executable, "tools/launch_local.py", "--workers=2", "--timeout=120", "--",
+                           f"--run_dir={tmp_path / 'run'}", "--peer_timeout=0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert done.returncode == USAGE_ERROR, done.stdout + done.stderr
+    for index in (0, 1):
+        assert f"[w{index}] tf-multigpu-train: error: --peer_timeout=0 must be >= 1" in done.stdout
+        assert f"launch_local: worker {index} exited with status 2" in done.stderr

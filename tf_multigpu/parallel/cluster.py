@@ -199,11 +199,18 @@ def _configure_local_devices(tf, cpu_devices: int, num_devices: int) -> str:
 
 def describe_peer_failure(error: Exception) -> str:
     """One line for a collective or coordination failure caused by a lost peer."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    reason = next((line for line in lines if "unhealthy" in line or "Connection" in line
-                   or "connect" in line or "heartbeat" in line), lines[0] if lines else type(error).__name__)
-    reason = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", reason)[:240]
-    return (f"lost contact with another worker ({type(error).__name__}: {reason}): "
+    text = str(error)
+    reasons = [re.search(p, text) for p in (r"The following tasks are unhealthy[^\n]*\n\s*(\S+)",
+                                             r"Collective ops is aborted by: ([^\n\[]+)",
+                                             r'grpc_message:"([^"]+)"')]
+    found = next((m for m in reasons if m), None)
+    if found is None:
+        reason = (text.strip().splitlines() or [type(error).__name__])[0]
+    elif "unhealthy" in found.group(0):
+        reason = f"{found.group(1)} stopped sending heartbeats"
+    else:
+        reason = found.group(1)
+    return (f"lost contact with another worker ({type(error).__name__}: {reason.strip()[:200]}): "
             "restart every worker with the same command to resume from the latest checkpoint")
 
 

@@ -265,8 +265,9 @@ def check_mesh(strategy: str, mesh_shape: dict, num_devices: int, devices_per_wo
     b, m = mesh_shape["batch"], mesh_shape["model"]
     per = devices_per_worker
     if per and b * m == num_devices and per % m and m % per:
-        raise UsageError(f"--mesh=batch:{b},model:{m} over workers of {per} devices: the model axis must divide "
-                         f"or be a multiple of the devices per worker, e.g. --mesh=batch:{num_devices // per},model:{per}")
+        raise UsageError(f"--mesh=batch:{b},model:{m} over workers of {per} devices: the model axis must "
+                         "divide or be a multiple of the devices per worker, "
+                         f"e.g. --mesh=batch:{num_devices // per},model:{per}")
     if b * m != num_devices:
         raise UsageError(f"--mesh=batch:{b},model:{m} needs {b * m} devices but {num_devices} are used: "
                          f"make B*M = {num_devices} or set --num_devices={b * m}")

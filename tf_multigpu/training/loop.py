@@ -22,10 +22,10 @@ from tf_multigpu.models import build_model, get_factory
 from tf_multigpu.parallel import make_parallelism
 from tf_multigpu.parallel.memory import bytes_per_device
 from tf_multigpu.training import run_dir
-from tf_multigpu.training.preemption import Preempted, StopOnSigterm
-from tf_multigpu.training.workers import WorkerRole
 from tf_multigpu.training.optimizer import MomentumSGD, learning_rate_schedule
+from tf_multigpu.training.preemption import Preempted, StopOnSigterm
 from tf_multigpu.training.step import make_eval_step, make_train_step
+from tf_multigpu.training.workers import WorkerRole
 
 
 def train(cfg: Config, devices: list[str], runtime=None) -> dict:
@@ -114,7 +114,7 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
         if stopping:
             stop.uninstall()
             role.close()
-            raise Preempted(step, manager.latest_checkpoint)
+            raise Preempted(step, f"{paths.checkpoints}/ckpt-{step}")   # the chief's, which all restore
     stop.uninstall()
     if not test_metrics:   # --steps=0, or resumed at the end: still report the model's accuracy
         test_metrics = evaluate()
