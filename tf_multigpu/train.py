@@ -1,7 +1,9 @@
 """tf-multigpu-train: the command-line entry point (also `python -m tf_multigpu.train`).
 
-Intentionally short: parse flags, build one validated config, configure the devices (before
-TensorFlow initialises), and call the training loop. Bad input prints one line and exits 2.
+Intentionally short: parse flags, build one validated config, find the cluster (if any),
+configure the devices or start the multi-worker runtime (before TensorFlow initialises), and
+call the training loop. Bad input prints one line and exits 2; a SIGTERM stops after a
+checkpoint with status 143; a lost worker is one line and status 1.
 """
 
 import json
@@ -17,35 +19,55 @@ from tf_multigpu.errors import DoesNotFit, UsageError
 
 USAGE_ERROR = 2
 DOES_NOT_FIT = 3   # out of device memory: a batch-size search reads this
+PEER_LOST = 1
 
 
 def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
     logging.set_verbosity(logging.WARNING)   # TF's own INFO lines would bury the progress bar
+    cluster = None
     try:
         cfg = run_flags.config_from_flags()
+        from tf_multigpu.parallel import cluster as clusters
+        cluster = clusters.resolve_cluster(cfg.worker_hosts, cfg.task_index)
+        if cluster and cfg.strategy == "single":
+            raise UsageError(f"--strategy=single runs in one process, but {cluster.source} describes "
+                             f"{cluster.num_workers} workers: use --strategy=data, model or hybrid")
         if cfg.profile_steps and cfg.strategy in ("model", "hybrid"):
             # Before TensorFlow runs anything: the report reads DTensor's lowered step graph.
             from tf_multigpu.profiling.collectives import enable_graph_dumps
             enable_graph_dumps()
         from tf_multigpu.parallel import configure_devices  # imports TensorFlow
         from tf_multigpu.training.loop import train
-        devices = configure_devices(1 if cfg.strategy == "single" else cfg.num_devices, cfg.cpu_devices,
-                                    cfg.device_memory_limit, cfg.logical_gpus)
-        summary = _train_or_report_oom(train, cfg, devices)
+        from tf_multigpu.training.preemption import PREEMPTED_EXIT_CODE, Preempted
+        if cluster:
+            runtime = clusters.start_runtime(cluster, cfg.strategy, cfg.cpu_devices, cfg.num_devices, cfg.peer_timeout)
+            devices = runtime.local_devices
+        else:
+            runtime = None
+            devices = configure_devices(1 if cfg.strategy == "single" else cfg.num_devices, cfg.cpu_devices,
+                                        cfg.device_memory_limit, cfg.logical_gpus)
+        summary = _train_or_report_oom(train, cfg, devices, runtime)
     except DoesNotFit as e:
         _fail(str(e), DOES_NOT_FIT)
     except UsageError as e:
         _fail(str(e))
+    except Preempted as e:
+        _fail(str(e), PREEMPTED_EXIT_CODE)
+    except Exception as e:  # noqa: BLE001  a peer lost mid-collective: one line, not a trace
+        import tensorflow as tf
+        if not (cluster and isinstance(e, tf.errors.OpError)):
+            raise
+        _fail(clusters.describe_peer_failure(e), PEER_LOST)
     print(json.dumps(summary, sort_keys=True), flush=True)
 
 
-def _train_or_report_oom(train, cfg, devices):
+def _train_or_report_oom(train, cfg, devices, runtime):
     """train(), with the runtime's out-of-memory error turned into DoesNotFit (one line)."""
     import tensorflow as tf
     try:
-        return train(cfg, devices)
+        return train(cfg, devices, runtime)
     except tf.errors.ResourceExhaustedError as e:
         first_line = str(e).strip().splitlines()[0][:200]
         raise DoesNotFit(f"out of device memory with --strategy={cfg.strategy} --batch_size={cfg.batch_size} "

@@ -62,6 +62,9 @@ class Config:
     logical_gpus: int = 1         # logical GPUs carved from each physical GPU
     export: bool = True           # write the SavedModel at the end
     profile_steps: str = ""       # "A,B": trace steps A..B (1-based) for TensorBoard and the comm report
+    worker_hosts: str = ""        # host:port of every worker, same list everywhere ("": TF_CONFIG, Slurm or one process)
+    task_index: int | None = None   # this worker's position in worker_hosts (0 is the chief)
+    peer_timeout: int = 60        # seconds without a heartbeat before a worker is declared lost
 
     def validate(self) -> Config:
         """Checks every value that needs no devices; returns self for chaining."""
@@ -84,6 +87,13 @@ class Config:
         _at_least("checkpoint_every", self.checkpoint_every, 1)
         _at_least("eval_every", self.eval_every, 0)
         _at_least("log_every", self.log_every, 1)
+        _at_least("peer_timeout", self.peer_timeout, 1)
+        if self.task_index is not None and not self.worker_hosts:
+            raise UsageError(f"--task_index={self.task_index} needs --worker_hosts=HOST:PORT,HOST:PORT,... "
+                             "(the same list on every worker)")
+        if self.worker_hosts and self.strategy == "single":
+            raise UsageError("--strategy=single runs on one device, not on --worker_hosts: "
+                             "use --strategy=data, model or hybrid")
         if self.steps is not None:
             _at_least("steps", self.steps, 0)
         if not self.epochs > 0:

@@ -76,6 +76,13 @@ flags.DEFINE_boolean("export", _D.export, "Export a SavedModel at the end (--noe
 flags.DEFINE_string("profile_steps", _D.profile_steps, "A,B: trace training steps A to B (counted from 1) "
                     "with the TensorFlow profiler into RUN_DIR/tensorboard (profile tab) and write the "
                     "communication report RUN_DIR/comm_report.{md,json}. Skip the first steps (compilation).")
+flags.DEFINE_string("worker_hosts", _D.worker_hosts, "Multi-worker training: HOST:PORT of every worker, "
+                    "comma-separated, the same list on every worker (default: TF_CONFIG, else Slurm, else "
+                    "one process). With a cluster, --cpu_devices and --num_devices count per worker.")
+flags.DEFINE_integer("task_index", _D.task_index, "This worker's position in --worker_hosts; 0 is the chief, "
+                     "which alone writes config, summaries, summary.json and the export.")
+flags.DEFINE_integer("peer_timeout", _D.peer_timeout, "Multi-worker: seconds a worker may go silent (no "
+                     "heartbeat) before the others stop with an error instead of waiting for it.")
 
 FLAGS = flags.FLAGS
 

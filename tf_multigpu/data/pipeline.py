@@ -10,7 +10,8 @@ decoding, so it sees exactly the batches an uninterrupted run would.
 
 Data parallelism reads the stream in per-replica pieces: MirroredStrategy hands consecutive
 elements of the per-replica dataset to replicas 0..N-1 in turn, so replica i of a step gets
-rows [i*B/N, (i+1)*B/N) of the global batch that one device would see.
+rows [i*B/N, (i+1)*B/N) of the global batch that one device would see. A process of a
+multi-worker run reads only its replicas' rows (`shard`), picked before decoding.
 """
 
 import tensorflow as tf
@@ -33,10 +34,11 @@ def steps_per_epoch(source: ImageSource, global_batch: int) -> int:
 
 
 def train_dataset(source: ImageSource, *, seed: int, global_batch: int, batch_size: int,
-                  start_step: int = 0) -> tf.data.Dataset:
+                  start_step: int = 0, shard: tuple = (0, 1)) -> tf.data.Dataset:
     """Batches of `batch_size` (a replica's share, or the whole global batch) from `start_step`.
 
-    Consecutive `global_batch / batch_size` batches make up one step's global batch.
+    Consecutive `global_batch / batch_size` batches make up one step's global batch; with
+    `shard=(i, n)`, only those of rows [i*G/n, (i+1)*G/n) of it (one worker of n).
     """
     per_epoch = steps_per_epoch(source, global_batch)
     start_epoch, step_in_epoch = divmod(start_step, per_epoch)
@@ -54,10 +56,11 @@ def train_dataset(source: ImageSource, *, seed: int, global_batch: int, batch_si
 
     ds = tf.data.Dataset.range(start_epoch, _MAX_EPOCHS).flat_map(epoch)
     ds = ds.skip(step_in_epoch * global_batch)           # before decoding: resume is cheap
-    return _decode_and_batch(source, ds, batch_size)
+    return _decode_and_batch(source, _rows(ds, global_batch, shard), batch_size)
 
 
-def test_dataset(source: ImageSource, *, global_batch: int, batch_size: int) -> tf.data.Dataset:
+def test_dataset(source: ImageSource, *, global_batch: int, batch_size: int,
+                 shard: tuple = (0, 1)) -> tf.data.Dataset:
     """The test split as (images, labels, weights), padded to whole global batches.
 
     Padding rows carry weight 0, so every strategy evaluates on full, equal batches (DTensor
@@ -66,10 +69,25 @@ def test_dataset(source: ImageSource, *, global_batch: int, batch_size: int) -> 
     pad = -source.num_test % global_batch
     real = source.test_records().map(lambda r, y: (r, tf.cast(y, tf.int32), 1.0))
     blank = source.test_records().take(1).map(lambda r, y: (r, tf.zeros_like(tf.cast(y, tf.int32)), 0.0))
-    ds = real.concatenate(blank.repeat(pad))
+    ds = _rows(real.concatenate(blank.repeat(pad)), global_batch, shard)
     ds = ds.map(lambda r, y, w: (source.decode(r), y, w), num_parallel_calls=AUTOTUNE)
     ds = ds.batch(batch_size, drop_remainder=True)
     return ds.map(lambda x, y, w: (source.preprocess(x), y, w)).prefetch(AUTOTUNE)
+
+
+def _rows(ds, global_batch, shard):
+    """Records of rows [i*G/n, (i+1)*G/n) of every global batch of G, for shard (i, n).
+
+    Applied to records, before decoding: a worker decodes only the images it trains on.
+    """
+    index, count = shard
+    if count == 1:
+        return ds
+    if global_batch % count:
+        raise UsageError(f"--batch_size={global_batch} does not divide by the {count} workers reading it")
+    rows = global_batch // count
+    keep = ds.enumerate().filter(lambda i, record: (i % global_batch) // rows == index)
+    return keep.map(lambda i, record: record)
 
 
 def _decode_and_batch(source, ds, batch_size):

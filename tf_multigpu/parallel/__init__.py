@@ -11,15 +11,22 @@ from tf_multigpu.parallel.tf_distribute import DistributeParallelism
 
 
 def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str = "auto",
-                     mesh: str = "", layout: str = "filter_split", layout_rules: str = ""):
-    """The parallelism for a --strategy value over `devices`."""
+                     mesh: str = "", layout: str = "filter_split", layout_rules: str = "", runtime=None):
+    """The parallelism for a --strategy value over `devices`, or, given a started multi-worker
+    `runtime` (parallel/cluster.py), over every device of every worker."""
+    if runtime is not None and strategy == "data":
+        return DistributeParallelism.multi_worker(runtime, global_batch, all_reduce)
     if strategy in ("single", "data"):
         return DistributeParallelism.create(strategy, devices, global_batch, all_reduce)
     from tf_multigpu.parallel.dtensor_mesh import DTensorParallelism, check_mesh
     from tf_multigpu.parallel.layouts import policy_rules
+    local = None
+    if runtime is not None:
+        devices, local = runtime.all_devices, runtime.local_devices
     shape = mesh_for(strategy, mesh, len(devices))
-    check_mesh(strategy, shape, len(devices))
-    return DTensorParallelism(strategy, devices, shape, policy_rules(layout, layout_rules), global_batch)
+    check_mesh(strategy, shape, len(devices), len(local) if local else 0)
+    return DTensorParallelism(strategy, devices, shape, policy_rules(layout, layout_rules), global_batch,
+                              local_devices=local)
 
 
 __all__ = ["configure_devices", "make_parallelism", "DistributeParallelism"]

@@ -13,6 +13,11 @@ Three DTensor/Keras facts shape this file (see BUILD_NOTES.md):
 - A variable creator is not told the variable's Keras path; Keras' name-scope stack plus the
   variable's name gives it, and a slot's name starts with its variable's path ('/' -> '_').
 - `dtensor.unpack` only works eagerly, so results leave the mesh outside the tf.function.
+
+Across workers (`parallel/cluster.py`) the mesh is DTensor's multi-client mesh over every
+client's devices, client c holding global device ids [c*L, (c+1)*L). The code is the same:
+`dtensor.pack` takes, and `dtensor.unpack` returns, only this client's devices' components,
+so each client reads only the rows of the batch groups its devices are in.
 """
 
 from __future__ import annotations
@@ -36,16 +41,26 @@ U = dtensor.UNSHARDED
 class DTensorParallelism:
     """Runs the single-replica step on the global batch over a batch x model DTensor mesh."""
 
-    def __init__(self, name: str, devices, mesh_shape: dict, rules, global_batch: int):
+    def __init__(self, name: str, devices, mesh_shape: dict, rules, global_batch: int, local_devices=None):
         self.name = name
         self.devices = list(devices)
         self.mesh_shape = mesh_shape
         self.rules = rules
         self.global_batch = global_batch
         self.num_replicas = mesh_shape["batch"]
-        self.mesh = dtensor.create_mesh(
-            [("batch", mesh_shape["batch"]), ("model", mesh_shape["model"])],
-            devices=[d.split("device:")[-1] for d in self.devices])
+        dims = [("batch", mesh_shape["batch"]), ("model", mesh_shape["model"])]
+        if local_devices is None:
+            self.mesh = dtensor.create_mesh(dims, devices=[d.split("device:")[-1] for d in self.devices])
+        else:   # a multi-client mesh: every client names its own devices
+            self.mesh = dtensor.create_distributed_mesh(
+                dims, local_devices=[d.split("device:")[-1] for d in local_devices])
+        self.multi_worker = local_devices is not None
+        # The batch groups this client's devices are in, and so the rows of each global batch
+        # it reads: the i-th of n equal slices (all of them in one process).
+        self.local_ids = list(self.mesh.local_device_ids())
+        self.local_groups = sorted({d // mesh_shape["model"] for d in self.local_ids})
+        per_client = len(self.local_groups)
+        self.input_shard = (self.local_groups[0] // per_client, mesh_shape["batch"] // per_client)
         self.specs = {}          # variable path -> spec, set by build_model
         self._by_path = {}       # variable path -> layout (slots look theirs up here)
         self._split_outputs = {} # layer name -> its output is split on `model`
@@ -92,6 +107,14 @@ class DTensorParallelism:
         value = _read(variable)
         full = dtensor.relayout(value, dtensor.Layout.replicated(self.mesh, value.shape.rank))
         return dtensor.unpack(full)[0].numpy()
+
+    def any_worker(self, flag: bool) -> bool:
+        """True on every client if `flag` is true on any (one max-reduce over the mesh)."""
+        if not self.multi_worker:
+            return flag
+        layout = dtensor.Layout(["batch", "model"], self.mesh)
+        flags = dtensor.pack([tf.constant([[1.0 if flag else 0.0]])] * len(self.local_ids), layout)
+        return bool(dtensor.unpack(_mesh_max(flags))[0].numpy() > 0)
 
     def activation_split(self, layer_name: str) -> int:
         """How many ways a layer's output is split besides the batch."""
@@ -177,7 +200,7 @@ class DTensorParallelism:
         the SAME rows when the mesh uses fewer devices than exist (it counts all devices of
         the type, not the mesh's), which silently trains on a fraction of the data.
         """
-        return _MeshBatches(make_dataset(self.replica_batch), self.mesh, self.mesh_shape)
+        return _MeshBatches(make_dataset(self.replica_batch), self.mesh, self.mesh_shape, self.local_ids)
 
     def compile(self, step_fn: Callable[..., dict]) -> Callable:
         """`run(iterator, num_steps)`: `num_steps` steps on the mesh; returns summed scalars.
@@ -198,17 +221,28 @@ class DTensorParallelism:
         return run
 
 
+@tf.function
+def _mesh_max(values):
+    return tf.reduce_max(values)
+
+
 def _read(variable):
     """The DTensor value of a Keras variable (or of a DVariable)."""
     return variable.value.read_value() if hasattr(variable, "value") else variable.read_value()
 
 
 class _MeshBatches:
-    """Iterable of global batches as DTensors sharded on `batch`, from per-replica batches."""
+    """Iterable of global batches as DTensors sharded on `batch`, from per-replica batches.
 
-    def __init__(self, dataset: tf.data.Dataset, mesh, mesh_shape: dict):
+    The dataset holds, for each step, the per-replica batches of this client's batch groups
+    in order (all groups in one process); each local device gets its group's batch.
+    """
+
+    def __init__(self, dataset: tf.data.Dataset, mesh, mesh_shape: dict, local_ids):
         self.dataset, self.mesh = dataset, mesh
-        self.groups, self.per_group = mesh_shape["batch"], mesh_shape["model"]
+        self.per_group = mesh_shape["model"]
+        self.local_ids = list(local_ids)
+        self.groups = sorted({d // self.per_group for d in self.local_ids})
 
     def __iter__(self):
         layouts = [dtensor.Layout.batch_sharded(self.mesh, "batch", spec.shape.rank)
@@ -216,18 +250,24 @@ class _MeshBatches:
         batches = iter(self.dataset)
         while True:
             try:
-                parts = [next(batches) for _ in range(self.groups)]
+                parts = dict(zip(self.groups, [next(batches) for _ in self.groups]))
             except StopIteration:
                 return
             # Mesh devices are numbered row-major: device d is in batch group d // M.
             yield tuple(
-                dtensor.pack([parts[d // self.per_group][k] for d in range(self.groups * self.per_group)], layout)
+                dtensor.pack([parts[d // self.per_group][k] for d in self.local_ids], layout)
                 for k, layout in enumerate(layouts))
 
 
-def check_mesh(strategy: str, mesh_shape: dict, num_devices: int) -> None:
-    """The mesh must use exactly the devices, and match the strategy."""
+def check_mesh(strategy: str, mesh_shape: dict, num_devices: int, devices_per_worker: int = 0) -> None:
+    """The mesh must use exactly the devices, and match the strategy (and, across workers,
+    give each worker whole batch groups, or a whole number of workers to each group)."""
     b, m = mesh_shape["batch"], mesh_shape["model"]
+    per = devices_per_worker
+    if per and b * m == num_devices and per % m and m % per:
+        raise UsageError(f"--mesh=batch:{b},model:{m} over workers of {per} devices: the model axis must "
+                         "divide or be a multiple of the devices per worker, "
+                         f"e.g. --mesh=batch:{num_devices // per},model:{per}")
     if b * m != num_devices:
         raise UsageError(f"--mesh=batch:{b},model:{m} needs {b * m} devices but {num_devices} are used: "
                          f"make B*M = {num_devices} or set --num_devices={b * m}")

@@ -3,7 +3,9 @@
 Data parallelism is MirroredStrategy: every device holds the whole model, takes its share of
 the global batch, and the gradients are summed across devices (the Keras optimizer does the
 all-reduce in replica context) before the same update is applied everywhere. One device is
-OneDeviceStrategy, so both run the very same step and loop code.
+OneDeviceStrategy, so both run the very same step and loop code. Across workers
+(`parallel/cluster.py`) data parallelism is MultiWorkerMirroredStrategy over every worker's
+devices: the same code, with each worker reading only its replicas' rows of every global batch.
 """
 
 from __future__ import annotations
@@ -47,12 +49,16 @@ def _new_collective_key_range():
 class DistributeParallelism:
     """Runs a single-replica step function on every replica of a tf.distribute strategy."""
 
-    def __init__(self, strategy: tf.distribute.Strategy, devices, global_batch: int, name: str):
+    def __init__(self, strategy: tf.distribute.Strategy, devices, global_batch: int, name: str,
+                 input_shard: tuple = (0, 1)):
         self.strategy = strategy
         self.devices = list(devices)
         self.name = name
         self.global_batch = global_batch
         self.num_replicas = strategy.num_replicas_in_sync
+        # (i, n): this process reads the i-th of n equal row slices of every global batch.
+        self.input_shard = input_shard
+        self.multi_worker = input_shard[1] > 1
 
     @classmethod
     def create(cls, name: str, devices, global_batch: int, all_reduce: str = "auto"):
@@ -62,6 +68,20 @@ class DistributeParallelism:
         strategy = tf.distribute.MirroredStrategy(
             devices=list(devices), cross_device_ops=cross_device_ops(all_reduce, devices))
         return cls(strategy, devices, global_batch, name)
+
+    @classmethod
+    def multi_worker(cls, runtime, global_batch: int, all_reduce: str = "auto"):
+        """Data parallelism over every device of every worker (the runtime's strategy).
+
+        Worker w holds replicas w*L .. w*L+L-1 and so reads rows [w*B/W, (w+1)*B/W) of each
+        global batch: replica i gets rows [i*B/N, (i+1)*B/N), as in one process.
+        """
+        if all_reduce != "auto":
+            raise UsageError(f"--all_reduce={all_reduce} is for one process: across workers the collective "
+                             "implementation is TensorFlow's choice; drop --all_reduce")
+        cluster = runtime.cluster
+        return cls(runtime.strategy, runtime.all_devices, global_batch, "data",
+                   input_shard=(cluster.task_index, cluster.num_workers))
 
     def scope(self) -> contextlib.AbstractContextManager:
         """Variables (model, optimizer slots) created here are mirrored on every device."""
@@ -111,3 +131,11 @@ class DistributeParallelism:
     def to_numpy(self, variable):
         """The value of a (mirrored) variable, as one array."""
         return variable.numpy()
+
+    def any_worker(self, flag: bool) -> bool:
+        """True on every worker if `flag` is true on any (a collective across workers)."""
+        if not self.multi_worker:
+            return flag
+        values = self.strategy.experimental_distribute_values_from_function(
+            lambda context: tf.constant(1.0 if flag else 0.0))
+        return bool(self.strategy.reduce(_SUM, values, axis=None).numpy() > 0)

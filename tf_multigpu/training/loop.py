@@ -26,17 +26,24 @@ from tf_multigpu.planner.auto import resolve_strategy, with_measurement
 from tf_multigpu.profiling.step_profiler import StepProfiler
 from tf_multigpu.training import run_dir
 from tf_multigpu.training.optimizer import MomentumSGD, learning_rate_schedule
+from tf_multigpu.training.preemption import Preempted, StopOnSigterm
 from tf_multigpu.training.step import make_eval_step, make_train_step
+from tf_multigpu.training.workers import WorkerRole
 
 
-def train(cfg: Config, devices: list[str]) -> dict:
-    """Trains as `cfg` says on `devices`; writes everything under cfg.run_dir; returns the summary."""
+def train(cfg: Config, devices: list[str], runtime=None) -> dict:
+    """Trains as `cfg` says on `devices` (or every worker's, given a started multi-worker
+    `runtime`); writes everything under cfg.run_dir; returns the summary.
+
+    SIGTERM on any worker stops every worker after the same step, with a checkpoint there:
+    raises Preempted."""
     started = time.perf_counter()
     get_factory(cfg.model)   # an unknown model is reported before anything is built
     source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size)
     cfg, plan = resolve_strategy(cfg, devices, source)   # --strategy=auto: the planner's top plan
     par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh,
-                           cfg.layout, cfg.layout_rules)
+                           cfg.layout, cfg.layout_rules, runtime=runtime)
+    role = WorkerRole(runtime, shared_checkpoints=cfg.strategy in ("model", "hybrid"))
     cfg.check_devices(par.num_replicas)
     per_epoch = steps_per_epoch(source, cfg.batch_size)
     paths = run_dir.check_previous_run(cfg)
@@ -48,23 +55,24 @@ def train(cfg: Config, devices: list[str]) -> dict:
     weight_ids = {id(w) for w in model.weights}
     rng_states = [v for v in model.variables if id(v) not in weight_ids]
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, rng_states=rng_states)
-    manager = run_dir.restore_latest(checkpoint, paths)
+    manager = role.checkpoint_manager(checkpoint, paths)
     start = int(optimizer.iterations.numpy())
     profiler = _profiler(cfg, paths, par, model, start, total_steps)
 
     memory = bytes_per_device(model, optimizer, par)
     _check_fits(cfg, memory, par)
     # Input is valid and any earlier state restored: from here on the run writes.
-    tf.io.gfile.makedirs(paths.root)
-    cfg.write(paths.config)
+    role.write_config(cfg, paths)
     print(f"{par.name} parallelism on {len(par.devices)} device(s): {', '.join(par.devices)}; "
           f"{source.name} {source.image_shape}, {cfg.model} ({model.count_params():,} parameters), "
           f"global batch {cfg.batch_size}, steps {start}..{total_steps}; per device: "
           f"{memory['parameters'] / 2**20:.1f} MiB parameters, {memory['total'] / 2**20:.1f} MiB in all", flush=True)
 
     train_iter = iter(par.distribute(lambda b: train_dataset(
-        source, seed=cfg.seed, global_batch=cfg.batch_size, batch_size=b, start_step=start)))
-    test_data = par.distribute(lambda b: test_dataset(source, global_batch=cfg.batch_size, batch_size=b))
+        source, seed=cfg.seed, global_batch=cfg.batch_size, batch_size=b, start_step=start,
+        shard=par.input_shard)))
+    test_data = par.distribute(lambda b: test_dataset(source, global_batch=cfg.batch_size, batch_size=b,
+                                                      shard=par.input_shard))
     test_batches = math.ceil(source.num_test / cfg.batch_size)
     train_fn = par.compile(make_train_step(model, optimizer, cfg.batch_size, jit_compile=cfg.xla))
     eval_fn = par.compile(make_eval_step(model))
@@ -73,7 +81,7 @@ def train(cfg: Config, devices: list[str]) -> dict:
         sums = _floats(eval_fn(iter(test_data), tf.constant(test_batches)))
         return {"test_loss": sums["loss_sum"] / sums["count"], "test_accuracy": sums["correct"] / sums["count"]}
 
-    writer = tf.summary.create_file_writer(paths.tensorboard)
+    writer = role.summary_writer(paths)
     _write_scalars(writer, "memory_per_device", start, {f"{k}_bytes": v for k, v in memory.items()})
     bar = keras.utils.Progbar(total_steps, interval=0.05 if sys.stdout.isatty() else 10.0,
                               stateful_metrics=["loss", "accuracy", "test_accuracy", "examples/s"])
@@ -81,6 +89,7 @@ def train(cfg: Config, devices: list[str]) -> dict:
     eval_every = cfg.eval_every or per_epoch
     steady, train_metrics, test_metrics = Throughput(), {}, {}
     step = start
+    stop = StopOnSigterm.install()
     while step < total_steps:
         # Run up to the next log, evaluation, checkpoint or the end in one call.
         window = min(_to_next(step, cfg.log_every), _to_next(step, eval_every),
@@ -112,19 +121,27 @@ def train(cfg: Config, devices: list[str]) -> dict:
             test_metrics = evaluate()
             _write_scalars(writer, "test", step, test_metrics)
             shown.append(("test_accuracy", test_metrics["test_accuracy"]))
-        if step % cfg.checkpoint_every == 0 or step == total_steps:
+        stopping = stop.agreed(par) and step < total_steps   # the same answer on every worker
+        if step % cfg.checkpoint_every == 0 or step == total_steps or stopping:
             manager.save(checkpoint_number=step)
         bar.update(step, shown)
+        if stopping:
+            stop.uninstall()
+            role.close()
+            raise Preempted(step, f"{paths.checkpoints}/ckpt-{step}")   # the chief's, which all restore
+    stop.uninstall()
     if not test_metrics:   # --steps=0, or resumed at the end: still report the model's accuracy
         test_metrics = evaluate()
     writer.flush()
 
-    export_dir = export_saved_model(
-        _plain_copy(cfg, source, model, par), source, paths.export,
+    # Every worker builds the copy (gathering split weights is collective); the chief exports.
+    plain = _plain_copy(cfg, source, model, par) if cfg.export else None
+    export_dir = None if not (cfg.export and role.is_chief) else export_saved_model(
+        plain, source, paths.export,
         metadata={"config": cfg.__dict__, "class_names": list(source.class_names),
                   "input_shape": list(source.image_shape), "pixel_dtype": source.pixel_dtype.name,
                   "metrics": test_metrics, "step": total_steps},
-        checkpoint=manager.latest_checkpoint) if cfg.export else None
+        checkpoint=manager.latest_checkpoint)
     summary = {
         "step": total_steps, "strategy": par.name, "devices": par.devices,
         "model": cfg.model, "dataset": source.name, "global_batch": cfg.batch_size,
@@ -138,7 +155,8 @@ def train(cfg: Config, devices: list[str]) -> dict:
                                                                profiler.report["bytes_per_device"].items()}}
     if plan:
         summary["plan"] = with_measurement(plan, summary["step_time_s"])
-    run_dir.write_json(paths.summary, summary)
+    role.write_summary(paths, summary)
+    role.close()
     return summary
 
 
