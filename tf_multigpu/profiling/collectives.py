@@ -107,9 +107,9 @@ def enable_graph_dumps() -> str:
     return directory
 
 
-def read_lowered_step() -> list[Collective] | None:
+def read_lowered_step(global_batch: int = 0, weight_shapes=frozenset()) -> list[Collective] | None:
     """The collectives of the DTensor step's lowered graph (None if dumps were not enabled),
-    then deletes the dumps."""
+    then deletes the dumps. The arguments help tell activations from weights (see below)."""
     directory = os.environ.get(_DUMP_DIR_ENV)
     if not directory:
         return None
@@ -122,16 +122,18 @@ def read_lowered_step() -> list[Collective] | None:
         text_format.Parse(f.read(), graph_def)
     shutil.rmtree(directory, ignore_errors=True)
     os.environ.pop("TF_DUMP_GRAPH_PREFIX", None)
-    return from_dtensor_graph_def(graph_def)
+    return from_dtensor_graph_def(graph_def, global_batch, weight_shapes)
 
 
-def from_dtensor_graph_def(graph_def) -> list[Collective]:
+def from_dtensor_graph_def(graph_def, global_batch: int = 0, weight_shapes=frozenset()) -> list[Collective]:
     """Collectives of DTensor's per-device program (the SPMD-expanded step).
 
-    Kind, from the layout DTensor attaches to each op: a per-example tensor (first dimension
-    sharded on `batch`) is activations or their gradients, moving across `model`; a
-    parameter-shaped tensor being all-reduced is a gradient summed across `batch`, being
-    gathered is a parameter; a scalar is a loss or metric.
+    Kind, from the layout DTensor attaches to each op and the tensor's shape: a per-example
+    tensor (first dimension sharded on `batch`, or of the global batch's size, as the batch
+    that conv_data_fc_model gathers whole and its gradient are, or integer labels of that
+    size) is activations or their gradients, moving across `model`; a parameter-shaped tensor
+    (`weight_shapes`) being all-reduced is a gradient summed across `batch`, being gathered is
+    a parameter; a scalar is a loss or metric.
     """
     nodes = {n.name: n for n in graph_def.node}
     found = []
@@ -152,7 +154,8 @@ def from_dtensor_graph_def(graph_def) -> list[Collective]:
         packed = shape is not None and len(specs) != len(shape)
         if not shape:
             kind = "scalars"
-        elif specs and specs[0] == "batch":
+        elif specs and specs[0] == "batch" or global_batch and shape[0] == global_batch and (
+                tuple(shape) not in weight_shapes or dtype.is_integer):
             kind = "activations"
         else:
             kind = "parameters" if op == "all_gather" else "gradients"
