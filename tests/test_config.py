@@ -26,6 +26,7 @@ def test_defaults_are_valid():
     ({"run_dir": ""}, "--run_dir is required"),
     ({"strategy": "single", "num_devices": 2}, "use --strategy=data"),
     ({"layout": "fc_only"}, "--layout applies to --strategy=model or hybrid"),
+    ({"strategy": "hybrid", "layout": "conv_data_fc_model"}, "which DTensor cannot shard: use --strategy=model"),
     ({"strategy": "hybrid", "all_reduce": "one_device"}, "--all_reduce applies to --strategy=data"),
     ({"mesh": "batch:2,model:1"}, "--mesh applies to --strategy=model or hybrid"),
     ({"data_dir": "/nonexistent/tfds"}, "--data_dir=/nonexistent/tfds is not a readable directory"),

@@ -10,6 +10,8 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tests.conftest import REPO, run_cli
 from tests.helpers import checkpoint_values, keep_only_checkpoint, serve_digits
@@ -19,6 +21,7 @@ from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel import make_parallelism
 from tf_multigpu.parallel.layouts import POLICIES, assign_specs, parse_rules
 from tf_multigpu.parallel.memory import bytes_per_device
+from tf_multigpu.profiling.analytic import minimum_bytes
 from tf_multigpu.training.loop import build_model_and_optimizer
 
 MESH_1X4 = "batch:1,model:4"
@@ -53,6 +56,41 @@ def test_filter_split_alexnet_on_4_devices_needs_at_most_27_percent(devices):
     ratio = (split["parameters"] + split["optimizer_slots"]) / (full["parameters"] + full["optimizer_slots"])
     assert ratio <= 0.27, ratio
     assert split["activations"] < full["activations"]
+
+
+ALEXNET_CONV_PARAMS = (11 * 11 * 3 * 96 + 96) + (5 * 5 * 96 * 256 + 256) + (3 * 3 * 256 * 384 + 384) + (
+    3 * 3 * 384 * 384 + 384) + (3 * 3 * 384 * 256 + 256)
+
+
+def test_conv_data_fc_model_is_data_parallel_convs_and_model_parallel_dense(devices):
+    """Krizhevsky's trick on 1x4, global batch 32: conv kernels whole on every device, dense
+    kernels split on units; device d gets image rows [8d, 8d+8) and every device the whole
+    batch's labels; each device keeps a quarter of every activation (the convs' rows, the
+    dense layers' units); the least traffic is the conv gradients' all-reduce over 4 and the
+    batch all-gather before fc6 (with its reduce-scatter backward)."""
+    par, model, optimizer = _build(devices, "alexnet", "synthetic", layout="conv_data_fc_model")
+    for v in model.trainable_weights:
+        local = par.local_shape(v)
+        if "conv" in v.path:
+            assert local == list(v.shape), v.path
+        else:   # fc6, fc7, logits (1000 classes divide by 4): split on units
+            assert local[-1] * 4 == v.shape[-1], v.path
+    rows = tf.data.Dataset.range(32).map(lambda i: (tf.fill([2, 2, 1], tf.cast(i, tf.float32)), tf.cast(i, tf.int32)))
+    images, labels = next(iter(par.distribute(lambda b: rows.batch(b))))
+    for d, shard in enumerate(dtensor.unpack(images)):
+        np.testing.assert_array_equal(shard.numpy()[:, 0, 0, 0], np.arange(8 * d, 8 * d + 8))
+    for whole in dtensor.unpack(labels):
+        np.testing.assert_array_equal(whole.numpy(), np.arange(32))
+
+    single = bytes_per_device(model, optimizer, make_parallelism("single", devices[:1], 32))
+    assert bytes_per_device(model, optimizer, par)["activations"] * 4 == single["activations"]
+    minimum = minimum_bytes(model, par)
+    assert minimum["gradients"] == 2 * 3 / 4 * ALEXNET_CONV_PARAMS * 4
+    gathered = 32 * (9216 + 4096 + 4096) * 4   # fc6's input (the batch), fc7's and logits' (the units)
+    assert minimum["forward_activation_payload"] == gathered
+    assert minimum["activations"] == pytest.approx(2 * 3 / 4 * gathered)
+    with pytest.raises(UsageError, match="does not divide by the 4 devices conv_data_fc_model splits it over"):
+        make_parallelism("model", devices[:4], 30, layout="conv_data_fc_model")
 
 
 def test_layout_rules_are_checked():
@@ -128,6 +166,26 @@ def test_hybrid_learns_digits_like_data_parallel(tmp_path):
     assert abs(served[0]["accuracy"] - results["hybrid"]["test_accuracy"]) < 1e-9
     np.testing.assert_allclose(served[0]["probabilities"], served[1]["probabilities"], atol=1e-6)
 
+
+
+@pytest.mark.slow
+def test_conv_data_fc_model_trains_like_data_parallelism(tmp_path):
+    """From the command line, 12 steps and an evaluation on 4 devices: the same weights and
+    test loss as data parallelism (same batches, same update; sums in another order)."""
+    common = ["--cpu_devices=4", "--steps=12", "--log_every=4", "--batch_size=32", "--learning_rate=0.2",
+              "--lr_schedule=constant", "--model=tests.user_models:small_convnet_no_dropout"]
+    results = {}
+    for name, flags in [("data", ["--strategy=data"]),
+                        ("trick", ["--strategy=model", "--layout=conv_data_fc_model"])]:
+        done = run_cli(f"--run_dir={tmp_path / name}", *flags, *common)
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results["trick"]["strategy"] == "model"
+    assert results["trick"]["test_loss"] == pytest.approx(results["data"]["test_loss"], rel=1e-4)
+    assert results["trick"]["test_loss"] < 2.1   # it learned: the initial loss is ln(10) = 2.30
+    a, b = checkpoint_values(tmp_path / "data"), checkpoint_values(tmp_path / "trick")
+    for key in (k for k in a if "/kernel" in k):
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.slow

@@ -75,7 +75,11 @@ def in_own_process(strategy, mesh, layouts, steps=1, *options):
 
 @pytest.mark.parametrize("strategy, mesh", MESHES)
 def test_model_and_hybrid_step_equals_one_device(strategy, mesh):
-    for layout, result in in_own_process(strategy, mesh, "filter_split,fc_only").items():
+    # conv_data_fc_model splits the batch over `model` (device d gets rows d*G/N..): 1 x N only.
+    layouts = "filter_split,fc_only" + (",conv_data_fc_model" if strategy == "model" else "")
+    results = in_own_process(strategy, mesh, layouts)
+    assert list(results) == layouts.split(",")
+    for layout, result in results.items():
         assert result["same_initial_weights"], layout
         assert result["max_update_difference"] <= TOLERANCE, (layout, result)
 

@@ -21,6 +21,7 @@ SMALL_CONVNET_PARAMS = 226_570
 # small_convnet on 8x8 digits, filter_split on `model`: the outputs that are gathered are
 # conv1 (8x8x32), pool2 (4x4x64), pool3 (2x2x128) and fc1 (256) floats per example.
 SPLIT_OUTPUT_FLOATS = 8 * 8 * 32 + 4 * 4 * 64 + 2 * 2 * 128 + 256
+CONV_PARAMS = (3 * 3 * 1 * 32 + 32) + (3 * 3 * 32 * 64 + 64) + (3 * 3 * 64 * 128 + 128)
 BATCH = 64
 
 pytestmark = pytest.mark.slow
@@ -40,6 +41,8 @@ def runs(tmp_path_factory):
         "data2": _train(root / "data2", "--strategy=data", "--cpu_devices=2", profile),
         "data4": _train(root / "data4", "--strategy=data", "--cpu_devices=4", profile),
         "model2": _train(root / "model2", "--strategy=model", "--cpu_devices=2", profile),
+        "trick4": _train(root / "trick4", "--strategy=model", "--layout=conv_data_fc_model", "--cpu_devices=4",
+                         profile),
         "single": _train(root / "single", "--strategy=single", profile),
         "data2_plain": _train(root / "data2_plain", "--strategy=data", "--cpu_devices=2"),
     }
@@ -90,6 +93,25 @@ def test_model_parallel_report_counts_the_split_layers_activations(runs):
     assert activations["moved_bytes"] >= activations["minimum_bytes"] > 0
     assert report["bytes_per_device"]["gradients"]["moved_bytes"] == 0   # one group: nothing to sum
     assert all(s["communication_ms"] > 0 for s in report["steps"])
+
+
+def test_conv_data_fc_model_report_counts_conv_gradients_and_the_batch_gather(runs):
+    """Krizhevsky's trick on 4 devices: the conv weights' gradients are all-reduced over all
+    4, and the batch is all-gathered before fc1 (flatten's 2x2x128 floats per example), as
+    are fc1's split units before the classifier (256); backward, their gradients go back."""
+    report = _report(runs["trick4"])
+    grads = report["bytes_per_device"]["gradients"]
+    assert grads["minimum_bytes"] == pytest.approx(CONV_PARAMS * 4 * 2 * 3 / 4)
+    # DTensor combines them (and the logits' gather for the accuracy) into one all-reduce;
+    # the report splits it into its parts.
+    assert grads["moved_bytes"] == pytest.approx(grads["minimum_bytes"])
+    gathers = report["forward_activation_gathers"]
+    assert gathers["analytic_payload_bytes"] == BATCH * (2 * 2 * 128 + 256) * 4
+    assert gathers["measured_payload_bytes"] == gathers["analytic_payload_bytes"]
+    activations = report["bytes_per_device"]["activations"]
+    assert activations["minimum_bytes"] == pytest.approx(2 * 3 / 4 * gathers["analytic_payload_bytes"])
+    assert activations["moved_bytes"] >= activations["minimum_bytes"]
+    assert report["bytes_per_device"]["parameters"]["moved_bytes"] == 0
 
 
 def test_single_device_report_shows_no_communication(runs):

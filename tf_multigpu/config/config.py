@@ -14,7 +14,7 @@ import os
 from tf_multigpu.errors import UsageError
 
 STRATEGIES = ("single", "data", "model", "hybrid", "auto")   # auto: the planner picks (planner/auto.py)
-LAYOUTS = ("filter_split", "fc_only")
+LAYOUTS = ("filter_split", "fc_only", "conv_data_fc_model")
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "one_device")
 LR_SCHEDULES = ("constant", "step", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -114,6 +114,10 @@ class Config:
         if self.layout_rules and self.strategy not in ("model", "hybrid"):
             raise UsageError(f"--layout_rules applies to --strategy=model or hybrid, not {self.strategy}")
         _one_of("layout", self.layout, LAYOUTS)
+        if self.layout == "conv_data_fc_model" and self.strategy == "hybrid":
+            raise UsageError("--layout=conv_data_fc_model splits the batch over every device, and on a hybrid mesh "
+                             "that is one tensor dimension over two mesh axes, which DTensor cannot shard: "
+                             "use --strategy=model (mesh batch:1,model:N)")
         # Flags that another strategy would silently ignore are refused instead.
         if self.layout != Config.layout and self.strategy not in ("model", "hybrid"):
             raise UsageError(f"--layout applies to --strategy=model or hybrid, not {self.strategy}: drop --layout")

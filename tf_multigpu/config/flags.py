@@ -29,10 +29,14 @@ flags.DEFINE_string("mesh", _D.mesh, "Device mesh for model/hybrid: batch:B,mode
                     "Default: batch:1,model:N for model; batch:N/2,model:2 for hybrid.")
 flags.DEFINE_string("layout", _D.layout, f"Model-parallel layout policy: one of {', '.join(LAYOUTS)}. "
                     "filter_split: conv filters and hidden dense units split (the paper); fc_only: "
-                    "convs data parallel, dense layers split (Krizhevsky 2014).")
+                    "dense layers split, convs replicated on the model axis; conv_data_fc_model "
+                    "(--strategy=model only): convs data parallel over all devices, the batch "
+                    "all-gathered before the first dense layer, dense layers split over all devices "
+                    "(Krizhevsky 2014's \"one weird trick\").")
 flags.DEFINE_string("layout_rules", _D.layout_rules, "Your own layout: 'REGEX=SPEC;...' over Keras "
                     "variable paths, SPEC one of -,batch,model per dimension, e.g. "
-                    "'.*conv2/kernel=-,-,-,model;.*fc6/kernel=-,model'. Replaces --layout.")
+                    "'.*conv2/kernel=-,-,-,model;.*fc6/kernel=-,model'. Replaces --layout's rules "
+                    "(--layout=conv_data_fc_model still splits the input batch over the model axis).")
 flags.DEFINE_integer("num_devices", _D.num_devices, "Use only the first N devices (0: all found).")
 flags.DEFINE_integer("cpu_devices", _D.cpu_devices,
                      "Split the CPU into N logical devices and use them instead of GPUs. For testing "

@@ -5,7 +5,11 @@ become DVariables laid out by (path regex -> spec) rules, and the layers whose i
 kernels are split on `model` are swapped for the equivalents in `split_layers` (same weights,
 same names). The step is the single-replica step of every strategy, run once on the global
 batch: DTensor computes it SPMD on every device, batch-sharded on `batch` (the data-parallel
-groups) and split on `model` inside each group.
+groups) and split on `model` inside each group. With `batch_on_model` (the
+conv_data_fc_model layout, mesh 1 x N) the input batch is sharded on `model` instead: layers
+with replicated kernels run data parallel over all N devices (DTensor sums their weight
+gradients over `model` by itself) until the first layer that gathers its input, which
+all-gathers the batch.
 
 Three DTensor/Keras facts shape this file (see BUILD_NOTES.md):
 - Keras' `keras.distribution` is a no-op on the TensorFlow backend, so variables get their
@@ -41,7 +45,18 @@ U = dtensor.UNSHARDED
 class DTensorParallelism:
     """Runs the single-replica step on the global batch over a batch x model DTensor mesh."""
 
-    def __init__(self, name: str, devices, mesh_shape: dict, rules, global_batch: int, local_devices=None):
+    def __init__(self, name: str, devices, mesh_shape: dict, rules, global_batch: int, local_devices=None,
+                 batch_on_model: bool = False):
+        if batch_on_model and mesh_shape["batch"] > 1:
+            raise UsageError("conv_data_fc_model splits the batch over `model`, and DTensor cannot shard it over "
+                             "`batch` too: use mesh batch:1,model:N (--strategy=model)")
+        if batch_on_model and global_batch % mesh_shape["model"]:
+            raise UsageError(f"--batch_size={global_batch} (the global batch) does not divide by the "
+                             f"{mesh_shape['model']} devices conv_data_fc_model splits it over: use a multiple "
+                             f"of {mesh_shape['model']}")
+        if batch_on_model and local_devices is not None:
+            raise UsageError("conv_data_fc_model runs in one process (every device needs the whole batch's "
+                             "labels): use --layout=filter_split or fc_only across workers")
         self.name = name
         self.devices = list(devices)
         self.mesh_shape = mesh_shape
@@ -61,9 +76,11 @@ class DTensorParallelism:
         self.local_groups = sorted({d // mesh_shape["model"] for d in self.local_ids})
         per_client = len(self.local_groups)
         self.input_shard = (self.local_groups[0] // per_client, mesh_shape["batch"] // per_client)
+        self.batch_on_model = batch_on_model   # the input's batch sharded on `model` (mesh 1 x N)
         self.specs = {}          # variable path -> spec, set by build_model
         self._by_path = {}       # variable path -> layout (slots look theirs up here)
-        self._split_outputs = {} # layer name -> its output is split on `model`
+        self._split_outputs = {} # layer name -> its output is split on `model` (channels or units)
+        self._rows_on_model = {} # layer name -> it runs on (and outputs) rows sharded on `model`
 
     @property
     def replica_batch(self) -> int:
@@ -117,8 +134,15 @@ class DTensorParallelism:
         return bool(dtensor.unpack(_mesh_max(flags))[0].numpy() > 0)
 
     def activation_split(self, layer_name: str) -> int:
-        """How many ways a layer's output is split besides the batch."""
-        return self.mesh_shape["model"] if self._split_outputs.get(layer_name) else 1
+        """How many ways a layer's output is split besides the data-parallel groups' batch:
+        on channels or units, or on its rows (conv_data_fc_model, before the batch gather)."""
+        split = self._split_outputs.get(layer_name) or self._rows_on_model.get(layer_name)
+        return self.mesh_shape["model"] if split else 1
+
+    def gradient_group(self, layer_name: str) -> int:
+        """Devices whose gradients of the layer's weights are summed: the data-parallel groups,
+        times the model axis where the layer runs on rows sharded on it."""
+        return self.num_replicas * (self.mesh_shape["model"] if self._rows_on_model.get(layer_name) else 1)
 
     def local_shape(self, variable) -> list:
         """The shape of one device's shard of a variable."""
@@ -150,9 +174,10 @@ class DTensorParallelism:
         """clone_function: stock layer -> its split-aware twin, wherever the policy needs one.
 
         Walks the layers in order, tracking whether the activations reaching each layer are
-        split on `model` (after a split conv or dense, until something gathers them).
+        split on `model` (after a split conv or dense, until something gathers them), and
+        whether their rows are (from the input, with batch_on_model, until something gathers).
         """
-        plan, split_input, seen_weights = {}, False, False
+        plan, split_input, seen_weights, rows = {}, False, False, self.batch_on_model
         for layer in plain.layers:
             kernel_path = f"{plain.name}/{layer.name}/kernel"
             cls = None
@@ -175,6 +200,8 @@ class DTensorParallelism:
                 split_output = split_input
             plan[layer.name] = (cls, not seen_weights)
             self._split_outputs[layer.name] = split_output
+            rows = rows and not hasattr(cls, "_gather")   # a split_layers layer gathers its input whole
+            self._rows_on_model[layer.name] = rows
             split_input = split_output
             seen_weights = seen_weights or bool(layer.weights)
 
@@ -200,7 +227,10 @@ class DTensorParallelism:
         the SAME rows when the mesh uses fewer devices than exist (it counts all devices of
         the type, not the mesh's), which silently trains on a fraction of the data.
         """
-        return _MeshBatches(make_dataset(self.replica_batch), self.mesh, self.mesh_shape, self.local_ids)
+        if self.batch_on_model:   # device d of the 1 x N mesh gets rows [d*G/N, (d+1)*G/N) of the images
+            return _MeshBatches(make_dataset(self.global_batch // self.mesh_shape["model"]), self.mesh, 1,
+                                self.local_ids, axis="model", whole_labels=True)
+        return _MeshBatches(make_dataset(self.replica_batch), self.mesh, self.mesh_shape["model"], self.local_ids)
 
     def compile(self, step_fn: Callable[..., dict]) -> Callable:
         """`run(iterator, num_steps)`: `num_steps` steps on the mesh; returns summed scalars.
@@ -232,31 +262,44 @@ def _read(variable):
 
 
 class _MeshBatches:
-    """Iterable of global batches as DTensors sharded on `batch`, from per-replica batches.
+    """Iterable of global batches as DTensors sharded on mesh axis `axis`, from per-replica
+    batches: each batch goes to `per_group` consecutive devices of the (row-major) mesh.
 
-    The dataset holds, for each step, the per-replica batches of this client's batch groups
-    in order (all groups in one process); each local device gets its group's batch.
+    The dataset holds, for each step, the per-replica batches of this client's groups in order
+    (all groups in one process); each local device gets its group's batch.
+
+    With `whole_labels`, the elements after the images (labels; eval weights) are the whole
+    batch's on every device instead: conv_data_fc_model splits the classifier's logits on
+    classes over `model`, and DTensor cannot take a loss of logits split on classes with
+    labels split on rows over the same axis ("Non-contracting dimension for left argument of
+    matmul has sharding dimension model ... not supported", in the backward). Labels are G
+    integers: copying them costs nothing, and DTensor slices them where the logits are rows.
     """
 
-    def __init__(self, dataset: tf.data.Dataset, mesh, mesh_shape: dict, local_ids):
-        self.dataset, self.mesh = dataset, mesh
-        self.per_group = mesh_shape["model"]
+    def __init__(self, dataset: tf.data.Dataset, mesh, per_group: int, local_ids, axis: str = "batch",
+                 whole_labels: bool = False):
+        self.dataset, self.mesh, self.axis = dataset, mesh, axis
+        self.per_group, self.whole_labels = per_group, whole_labels
         self.local_ids = list(local_ids)
         self.groups = sorted({d // self.per_group for d in self.local_ids})
 
     def __iter__(self):
-        layouts = [dtensor.Layout.batch_sharded(self.mesh, "batch", spec.shape.rank)
-                   for spec in self.dataset.element_spec]
+        ranks = [spec.shape.rank for spec in self.dataset.element_spec]
         batches = iter(self.dataset)
         while True:
             try:
                 parts = dict(zip(self.groups, [next(batches) for _ in self.groups]))
             except StopIteration:
                 return
-            # Mesh devices are numbered row-major: device d is in batch group d // M.
-            yield tuple(
-                dtensor.pack([parts[d // self.per_group][k] for d in self.local_ids], layout)
-                for k, layout in enumerate(layouts))
+            out = []
+            for k, rank in enumerate(ranks):
+                if k and self.whole_labels:   # one process: every group's rows are here
+                    whole = tf.concat([parts[g][k] for g in self.groups], axis=0)
+                    out.append(dtensor.pack([whole] * len(self.local_ids), dtensor.Layout.replicated(self.mesh, rank)))
+                else:   # mesh devices are numbered row-major: device d is in group d // per_group
+                    out.append(dtensor.pack([parts[d // self.per_group][k] for d in self.local_ids],
+                                            dtensor.Layout.batch_sharded(self.mesh, self.axis, rank)))
+            yield tuple(out)
 
 
 def check_mesh(strategy: str, mesh_shape: dict, num_devices: int, devices_per_worker: int = 0) -> None:

@@ -5,8 +5,16 @@ unsplit. Variable paths are Keras paths such as `alexnet/conv2/kernel`. Built-in
 
   filter_split  every conv kernel split on output channels (filters), hidden dense kernels on
                 units, biases with them: the paper's model parallelism.
-  fc_only       convolutions replicated (data parallel), hidden dense layers split on
-                units: Krizhevsky 2014's "one weird trick".
+  fc_only       convolutions replicated, hidden dense layers split on units. On a B x M mesh
+                the convolutions run data parallel over the B groups only and redundantly
+                on the M devices of each group (each computes its group's whole batch).
+  conv_data_fc_model
+                Krizhevsky 2014's "one weird trick": the same rules as fc_only, and the input
+                batch split over `model` too (BATCH_ON_MODEL), so the convolutions run data
+                parallel over all N devices (their gradients all-reduced over N); the first
+                split dense layer all-gathers the batch, and the dense layers run model
+                parallel over N. Mesh batch:1,model:N only: DTensor shards a tensor
+                dimension over one mesh axis, so the batch cannot be split over both.
 
 The classifier (`logits`) is split on classes where the class count divides by the model
 axis (1000 for ImageNet) and replicated where it does not (10 digits on 4 devices): its rules
@@ -42,6 +50,9 @@ POLICIES = {
         (r".*logits/bias", "model?"),
     ],
 }
+# Same variables as fc_only; what differs is the input, whose batch is split over `model`.
+POLICIES["conv_data_fc_model"] = POLICIES["fc_only"]
+BATCH_ON_MODEL = ("conv_data_fc_model",)   # layouts that shard the input batch over `model`
 
 
 def parse_rules(text: str) -> list[tuple[str, str]]:

@@ -12,6 +12,8 @@ The layout policy swaps these in for the stock layers of a model (models stay pl
                  `model` axis. DTensor would otherwise insert the same relayout silently; doing
                  it here names it (`relayout/<layer>/activations` in traces) and makes every
                  activation exchange of model parallelism deliberate and countable.
+                 Under conv_data_fc_model the same gather collects the batch, whose rows
+                 the data-parallel convolutions left sharded on `model`.
 
 Each keeps its stock layer's weights and names, so checkpoints and exports are interchangeable
 with the plain model's.
@@ -25,7 +27,8 @@ from tf_multigpu.parallel.split_conv import split_conv2d
 
 
 def gather_model_axis(x, mesh, name):
-    """Relayout x to batch-sharded, replicated on `model` (an all-gather; a no-op if it is)."""
+    """Relayout x to batch-sharded, replicated on `model` (an all-gather of whatever dimension
+    is sharded on `model`, channels or rows; a no-op if none is)."""
     layout = dtensor.Layout(["batch"] + [dtensor.UNSHARDED] * (len(x.shape) - 1), mesh)
     with tf.name_scope(f"relayout/{name}/activations"):
         return dtensor.relayout(x, layout)

@@ -128,6 +128,10 @@ class DistributeParallelism:
         """Activations are split on the batch only."""
         return 1
 
+    def gradient_group(self, layer_name: str) -> int:
+        """Every replica's gradients are summed."""
+        return self.num_replicas
+
     def to_numpy(self, variable):
         """The value of a (mirrored) variable, as one array."""
         return variable.numpy()

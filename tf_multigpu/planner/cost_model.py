@@ -29,6 +29,11 @@ graph, BUILD_NOTES.md):
 - backward: one all-reduce over `model` at the input's size for every layer whose kernel is
   split (its input gradient is a sum over the split output channels), none for the first.
   The gradient of an all-gather is a local slice: no traffic.
+Under conv_data_fc_model (`BATCH_ON_MODEL`) the input's rows are split over `model` too:
+layers run 1/M of the group batch until the first gathering layer, whose forward all-gather
+collects the batch (and whose split kernel's input gradient is all-reduced backward, then
+sliced back to rows: what DTensor's lowered graph does), and their weight gradients are
+summed over the model axis as well (`LayerPlacement.rows_split`).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import keras
 import numpy as np
 
 from tf_multigpu.errors import UsageError
-from tf_multigpu.parallel.layouts import POLICIES, assign_specs
+from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES, assign_specs
 
 BYTES_PER_VALUE = 4   # float32 parameters, gradients, slots and activations
 
@@ -159,6 +164,7 @@ class LayerPlacement:
     grad_bytes: int            # this device's gradient shards (trainable weights)
     activation_bytes: int      # per example kept for the backward, this device's share
     collectives: tuple = ()
+    rows_split: bool = False   # runs on rows split over `model` (conv_data_fc_model, before the gather)
 
 
 def placement(cost: ModelCost, layout: str | None, mesh_shape: dict) -> list[LayerPlacement]:
@@ -177,7 +183,7 @@ def placement(cost: ModelCost, layout: str | None, mesh_shape: dict) -> list[Lay
     def local_bytes(paths):
         return sum(int(np.prod(cost.weights[p])) // (m if split(p) else 1) for p in paths) * BYTES_PER_VALUE
 
-    out, split_input, seen_weights = [], False, False
+    out, split_input, seen_weights, rows = [], False, False, layout in BATCH_ON_MODEL
     for layer in cost.layers:
         kernel = next((p for p in layer.weights if re.search(r"/kernel$", p)), "")
         role, split_output, collectives = "", split_input, []
@@ -195,23 +201,25 @@ def placement(cost: ModelCost, layout: str | None, mesh_shape: dict) -> list[Lay
         elif layer.weights and split_input:
             raise UsageError(f"layer {layer.name} ({layer.cls.__name__}) receives activations split on "
                              "'model' and has no split-aware version")
-        if split_input and role in ("SplitConv2D", "GatherConv2D", "GatherDense", "GatherFlatten"):
+        gathers = role in ("SplitConv2D", "GatherConv2D", "GatherDense", "GatherFlatten")
+        if (split_input or rows) and gathers:
             collectives.append(Collective("all_gather", "model", layer.name, "forward", layer.in_elems))
         kernel_split = bool(kernel) and split(kernel)
         if kernel_split and seen_weights:
             collectives.append(Collective("all_reduce", "model", layer.name, "backward", layer.in_elems))
-        share = m if (kernel_split or role == "SlicePool2D") else 1
+        rows = rows and not gathers
+        share = m if (kernel_split or role == "SlicePool2D" or rows) else 1
         fwd, bwd, conv_flops = layer.fwd_flops / share, layer.bwd_flops / share, 0.0
         if role == "SplitConv2D":
             fwd = layer.split_fwd_flops / m
             bwd = fwd * (2.0 if seen_weights else 1.0)
             conv_flops = fwd + bwd
-        act = layer.out_elems // (m if split_output else 1)
+        act = layer.out_elems // (m if split_output or rows else 1)
         if role == "SplitConv2D":
             act += layer.patch_elems   # the patch matrix, whole on every device of the group
         out.append(LayerPlacement(layer.name, role, split_output, fwd, bwd, conv_flops,
                                   local_bytes(layer.weights), local_bytes(layer.trainable),
-                                  act * BYTES_PER_VALUE, tuple(collectives)))
+                                  act * BYTES_PER_VALUE, tuple(collectives), rows))
         split_input = split_output
         seen_weights = seen_weights or bool(layer.weights)
     if split_input:   # split logits are gathered for the loss

@@ -2,19 +2,22 @@
 
 A plan is (strategy, mesh batch x model, layout policy): `single` (one device), `data` (all N
 devices replicate the model), `model` (mesh 1 x N) and `hybrid` (B x M, both > 1) under each
-built-in layout of `parallel/layouts.py`. For each, from the model's per-layer cost
-(`cost_model`) and a DeviceProfile:
+built-in layout of `parallel/layouts.py` (conv_data_fc_model on `model` only: it splits the
+batch over the model axis). For each, from the model's per-layer cost (`cost_model`) and a
+DeviceProfile:
 
   compute     = FLOPs one device runs per step / its sustained rate. A device runs its
                 group's whole batch (global / B) through layers that are not split (the
                 model axis computes them redundantly, as DTensor does) and 1/M of it through
-                split ones; SplitConv2D's im2col formulation costs `split_conv_overhead` x its
-                einsum FLOPs (measured against tf.nn.conv2d, BUILD_NOTES.md).
+                split ones and through layers whose rows are split (conv_data_fc_model's
+                convolutions); SplitConv2D's im2col formulation costs `split_conv_overhead` x
+                its einsum FLOPs (measured against tf.nn.conv2d, BUILD_NOTES.md).
   activations = the all-gathers (forward) and input-gradient all-reduces (backward) of the
                 model-parallel layers, over the model axis. They sit on the critical path:
                 no overlap.
   gradients   = one ring all-reduce of each device's gradient bytes over the batch axis
-                (data: over all N). Exposed fraction 1 - `grad_overlap`; the default overlap
+                (data: over all N; layers whose rows are split: over B x M). Exposed
+                fraction 1 - `grad_overlap`; the default overlap
                 is 0 because our step overlaps nothing: Keras all-reduces every gradient in
                 one pack inside `optimizer.apply`, after the backward pass ends.
   ring collectives: all-reduce 2(n-1)/n x bytes / bandwidth + 2(n-1) x latency; all-gather
@@ -34,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 
 from tf_multigpu.errors import UsageError
-from tf_multigpu.parallel.layouts import POLICIES
+from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES
 from tf_multigpu.planner.cost_model import BYTES_PER_VALUE, ModelCost, placement
 from tf_multigpu.planner.device_profile import DeviceProfile
 
@@ -108,7 +111,8 @@ def candidates(num_devices: int) -> list[tuple[str, int, int, str]]:
         out += [("model", 1, num_devices, layout) for layout in POLICIES]
         for m in range(2, num_devices // 2 + 1):
             if num_devices % m == 0 and num_devices // m >= 2:
-                out += [("hybrid", num_devices // m, m, layout) for layout in POLICIES]
+                out += [("hybrid", num_devices // m, m, layout) for layout in POLICIES
+                        if layout not in BATCH_ON_MODEL]
     return out
 
 
@@ -143,16 +147,17 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
             act_s += _ring(c.op, m, nbytes, profile)
             act_bytes += nbytes * ((2 * (m - 1) / m) if c.op == "all_reduce" else (m - 1) / m)
     grads = sum(p.grad_bytes for p in layers)
+    groups = [b * (m if p.rows_split else 1) for p in layers]   # devices summing each layer's gradients
     if strategy == "data":   # MirroredStrategy packs every gradient into one all-reduce
         grad_s = _ring("all_reduce", b, grads, profile)
     else:                    # DTensor: one all-reduce per gradient tensor
-        grad_s = sum(_ring("all_reduce", b, p.grad_bytes, profile) for p in layers)
-    grad_bytes = 2 * (b - 1) / b * grads if b > 1 else 0.0
+        grad_s = sum(_ring("all_reduce", g, p.grad_bytes, profile) for g, p in zip(groups, layers))
+    grad_bytes = sum(2 * (g - 1) / g * p.grad_bytes for g, p in zip(groups, layers))
     step = compute + act_s + (1 - assumptions.grad_overlap) * grad_s
     params = sum(p.param_bytes for p in layers)
     memory = {"parameters": params, "gradients": grads, "optimizer_slots": grads,
               "activations": sum(p.activation_bytes for p in layers) * group_batch
-              + cost.input_elems * group_batch * BYTES_PER_VALUE}
+              + cost.input_elems * group_batch // (m if layout in BATCH_ON_MODEL else 1) * BYTES_PER_VALUE}
     memory["total"] = sum(memory.values())
     fits = memory["total"] <= assumptions.memory_fraction * profile.memory_bytes
     exposed = act_s + (1 - assumptions.grad_overlap) * grad_s

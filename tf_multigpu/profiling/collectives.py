@@ -107,9 +107,9 @@ def enable_graph_dumps() -> str:
     return directory
 
 
-def read_lowered_step() -> list[Collective] | None:
+def read_lowered_step(global_batch: int = 0, weight_shapes=frozenset()) -> list[Collective] | None:
     """The collectives of the DTensor step's lowered graph (None if dumps were not enabled),
-    then deletes the dumps."""
+    then deletes the dumps. The arguments help tell activations from weights (see below)."""
     directory = os.environ.get(_DUMP_DIR_ENV)
     if not directory:
         return None
@@ -122,18 +122,28 @@ def read_lowered_step() -> list[Collective] | None:
         text_format.Parse(f.read(), graph_def)
     shutil.rmtree(directory, ignore_errors=True)
     os.environ.pop("TF_DUMP_GRAPH_PREFIX", None)
-    return from_dtensor_graph_def(graph_def)
+    return from_dtensor_graph_def(graph_def, global_batch, weight_shapes)
 
 
-def from_dtensor_graph_def(graph_def) -> list[Collective]:
+def from_dtensor_graph_def(graph_def, global_batch: int = 0, weight_shapes=frozenset()) -> list[Collective]:
     """Collectives of DTensor's per-device program (the SPMD-expanded step).
 
-    Kind, from the layout DTensor attaches to each op: a per-example tensor (first dimension
-    sharded on `batch`) is activations or their gradients, moving across `model`; a
-    parameter-shaped tensor being all-reduced is a gradient summed across `batch`, being
-    gathered is a parameter; a scalar is a loss or metric.
+    Kind, from the layout DTensor attaches to each op and the tensor's shape: a per-example
+    tensor (first dimension sharded on `batch`, or of the global batch's size, as the batch
+    that conv_data_fc_model gathers whole and its gradient are, or integer labels of that
+    size) is activations or their gradients, moving across `model`; a parameter-shaped tensor
+    (`weight_shapes`) being all-reduced is a gradient summed across `batch`, being gathered is
+    a parameter; a scalar is a loss or metric.
+
+    DTensor combines independent collectives of a group into one buffer (e.g. every conv
+    gradient all-reduce with the gather of split logits for the accuracy): such a buffer is
+    reported as its parts, each classified by its own tensor, none as a layer's forward output.
     """
     nodes = {n.name: n for n in graph_def.node}
+    parts = {}   # combined collective -> the slices that take its parts back out
+    for n in graph_def.node:
+        if n.name.endswith("/PostCombinedReduceSlice") and n.input:
+            parts.setdefault(n.input[0].split(":")[0], []).append(n)
     found = []
     for node in graph_def.node:
         if not node.op.startswith("Collective"):
@@ -141,8 +151,20 @@ def from_dtensor_graph_def(graph_def) -> list[Collective]:
         op = "all_gather" if "AllGather" in node.name else _op_kind(node.op, node.name)
         if op is None:
             continue
-        shape = _shape(node) or _shape(nodes.get(node.input[0].split(":")[0]))
         dtype = tf.dtypes.as_dtype(node.attr["T"].type)
+        size_node = nodes.get(node.input[1].split(":")[0]) if len(node.input) > 1 else None
+        group = int(size_node.attr["value"].tensor.int_val[0]) if size_node is not None and \
+            size_node.attr["value"].tensor.int_val else 1
+        for part in parts.get(node.name, []):
+            name = part.name.removeprefix("tf.StatefulPartitionedCall/").removesuffix("/PostCombinedReduceSlice")
+            flat = nodes.get(part.name.removesuffix("/PostCombinedReduceSlice") + "/CombinedReduceFlatten")
+            shape = _shape(nodes.get(flat.input[0].split(":")[0])) if flat else _shape(part)
+            part_op = "all_gather" if "AllGather" in name else "all_reduce"
+            found.append(Collective(name, part_op, _kind(shape, [], part_op, dtype, global_batch, weight_shapes),
+                                    int(np.prod(_shape(part))) * dtype.size, group, forward=False))
+        if node.name in parts:
+            continue
+        shape = _shape(node) or _shape(nodes.get(node.input[0].split(":")[0]))
         payload = int(np.prod(shape)) * dtype.size if shape is not None else 0
         layout = node.attr["_layout"].list.s[0].decode() if "_layout" in node.attr else ""
         specs = layout.split("sharding_specs:")[-1].split(" mesh")[0].split(",")
@@ -150,18 +172,20 @@ def from_dtensor_graph_def(graph_def) -> list[Collective]:
         # DTensor may pack several tensors into one flat buffer: its layout then has more
         # dimensions than the buffer. Such a buffer is not one layer's forward output.
         packed = shape is not None and len(specs) != len(shape)
-        if not shape:
-            kind = "scalars"
-        elif specs and specs[0] == "batch":
-            kind = "activations"
-        else:
-            kind = "parameters" if op == "all_gather" else "gradients"
-        size_node = nodes.get(node.input[1].split(":")[0]) if len(node.input) > 1 else None
-        group = int(size_node.attr["value"].tensor.int_val[0]) if size_node is not None and \
-            size_node.attr["value"].tensor.int_val else 1
         name = node.name.removeprefix("tf.StatefulPartitionedCall/")
-        found.append(Collective(name, op, kind, payload, group, forward="gradient_tape" not in name and not packed))
+        found.append(Collective(name, op, _kind(shape, specs, op, dtype, global_batch, weight_shapes), payload,
+                                group, forward="gradient_tape" not in name and not packed))
     return found
+
+
+def _kind(shape, specs, op, dtype, global_batch, weight_shapes) -> str:
+    """One of KINDS for a collective's tensor (see from_dtensor_graph_def)."""
+    if not shape:
+        return "scalars"
+    if specs and specs[0] == "batch" or global_batch and shape[0] == global_batch and (
+            tuple(shape) not in weight_shapes or dtype.is_integer):
+        return "activations"
+    return "parameters" if op == "all_gather" else "gradients"
 
 
 def _shape(node):

@@ -42,7 +42,8 @@ class StepProfiler:
         # The first call compiles the step: read its collectives from TensorFlow's graphs.
         if hasattr(self.par, "mesh"):   # DTensor: collectives exist only after SPMD expansion
             sums = self._run(train_fn, iterator, step, window)
-            found = coll.read_lowered_step()
+            found = coll.read_lowered_step(self.meta["global_batch"],
+                                           {tuple(w.shape) for w in self.model.weights})
             if found is None:
                 print("communication report: the DTensor step's graph was not dumped (graph dumps must be "
                       "enabled before TensorFlow starts, as tf-multigpu-train does): bytes are not counted",
