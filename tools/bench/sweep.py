@@ -12,9 +12,6 @@ from tools.bench import configs, plots, report, runner
 def build_runs(s: dict) -> list:
     """Our runs for the settings, then the peers' twins of our single/data runs."""
     configs.check_lists(s["strategies"], s["devices"], s["batch_sizes"], s["models"], s["peers"])
-    from tf_multigpu.models import get_factory
-    for model in s["models"]:
-        get_factory(model)   # an unknown model is a usage error before anything runs
     common = {k: s[k] for k in ("dataset", "image_size", "warmup_steps", "timed_steps", "cpu_devices", "threads")}
     if s["mode"] == "paper":
         ours = [run for model in s["models"] for batch in s["batch_sizes"]
@@ -29,6 +26,9 @@ def build_runs(s: dict) -> list:
     if s["cpu_devices"] and s["cpu_devices"] < most:
         raise UsageError(f"--cpu_devices={s['cpu_devices']} but the sweep uses up to {most} devices: "
                          f"use --cpu_devices={most} (or drop it)")
+    from tf_multigpu.models import get_factory   # imports TensorFlow: after the cheap checks
+    for model in s["models"]:
+        get_factory(model)   # an unknown model is a usage error before anything runs
     return ours + configs.peer_runs(ours, s["peers"])
 
 
