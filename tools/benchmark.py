@@ -8,7 +8,7 @@
 
 Every configuration runs in a fresh process (tools/bench/worker.py) on synthetic data (or
 --dataset=digits / tfds:NAME): warm-up steps untimed, then each step timed alone; images/s is
-the median over the timed steps with p10-p90. Beside our `single`/`data` runs the same work
+the median over the timed steps (of all --repeats rounds) with p10-p90. Beside our `single`/`data` runs the same work
 runs under Keras `model.fit` (same MirroredStrategy) and PyTorch DDP (if installed). Writes
 results.csv, results.json, results.md (the paper's table, every configuration, ours against
 the peers) and speedup.png, throughput.png, memory.png into --out_dir.
@@ -42,6 +42,8 @@ flags.DEFINE_string("dataset", "synthetic", "synthetic (random ImageNet-shaped i
 flags.DEFINE_integer("image_size", 0, "Resize images to SIZE x SIZE (0: the data set's own; synthetic: 224).")
 flags.DEFINE_integer("warmup_steps", 3, "Untimed steps before timing (tracing, allocation).")
 flags.DEFINE_integer("timed_steps", 10, "Steps timed one by one; the median and p10/p90 are reported.")
+flags.DEFINE_integer("repeats", 1, "Run the whole sweep this many times, round after round, pooling each "
+                     "configuration's timed steps (steadier numbers on a shared machine).")
 flags.DEFINE_integer("cpu_devices", 0, "Run on N logical CPU devices (>= the largest device count). "
                      "0: GPUs if any, else logical CPUs.")
 flags.DEFINE_integer("threads", 0, "CPU threads per run, the same budget for every framework (0: all cores).")
@@ -78,7 +80,7 @@ def settings_from_flags() -> dict:
         "strategies": FLAGS.strategies, "devices": _ints("devices"), "batch_sizes": _ints("batch_sizes"),
         "models": FLAGS.models, "dataset": FLAGS.dataset, "image_size": FLAGS.image_size,
         "warmup_steps": FLAGS.warmup_steps, "timed_steps": FLAGS.timed_steps, "cpu_devices": FLAGS.cpu_devices,
-        "threads": FLAGS.threads or os.cpu_count(), "peers": FLAGS.peers, "timeout_s": FLAGS.timeout_s,
+        "repeats": FLAGS.repeats, "threads": FLAGS.threads or os.cpu_count(), "peers": FLAGS.peers, "timeout_s": FLAGS.timeout_s,
         "out_dir": FLAGS.out_dir,
     }
     if FLAGS.paper:

@@ -26,7 +26,7 @@ COLUMNS = (
     "speedup", "efficiency", "compute_s", "communication_s",
     *(f"memory_{part}_bytes" for part in MEMORY_PARTS),
     *(f"ours_vs_{peer}" for peer in PEERS),
-    "warmup_steps", "timed_steps", "threads", "device_kind", "parameters", "error",
+    "warmup_steps", "timed_steps", "repeats", "threads", "device_kind", "parameters", "error",
 )
 
 

@@ -24,19 +24,33 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def run_all(runs, data_shapes: dict, timeout_s: float, log=None) -> list[dict]:
+def run_all(runs, data_shapes: dict, timeout_s: float, log=None, repeats: int = 1) -> list[dict]:
     """One result row per run, in order. `data_shapes[(dataset, image_size)]` gives the torch
-    peer the input shape and class count; `log` (a file) receives each worker's stderr."""
+    peer the input shape and class count; `log` (a file) receives each worker's stderr.
+
+    With `repeats` > 1 the whole list runs again, round after round, and each row pools the
+    step times of all its rounds: on a shared machine a burst of load then spoils one round
+    of every configuration a little instead of one configuration a lot.
+    """
     import keras   # the progress bar; TensorFlow itself never starts devices in this process
-    bar = keras.utils.Progbar(len(runs), stateful_metrics=["images/s"], unit_name="config")
-    rows = []
-    for i, run in enumerate(runs):
-        result = run_one(run, data_shapes.get((run.dataset, run.image_size)), timeout_s, log)
-        rows.append({**dataclasses.asdict(run), "mesh": run.mesh, **result})
-        times = result.get("step_times_s") or []
-        rate = run.batch * len(times) / sum(times) if times else 0.0
-        bar.update(i + 1, [("images/s", rate)])
-    return rows
+    bar = keras.utils.Progbar(len(runs) * repeats, stateful_metrics=["images/s"], unit_name="config")
+    results = [None] * len(runs)
+    for round_ in range(repeats):
+        for i, run in enumerate(runs):
+            result = run_one(run, data_shapes.get((run.dataset, run.image_size)), timeout_s, log)
+            results[i] = result if results[i] is None else _pool(results[i], result)
+            times = result.get("step_times_s") or []
+            rate = run.batch * len(times) / sum(times) if times else 0.0
+            bar.update(round_ * len(runs) + i + 1, [("images/s", rate)])
+    return [{**dataclasses.asdict(run), "mesh": run.mesh, "repeats": repeats, **result}
+            for run, result in zip(runs, results)]
+
+
+def _pool(first: dict, later: dict) -> dict:
+    """Step times of both rounds; a round that failed makes the row fail."""
+    if first.get("error") or later.get("error"):
+        return {**first, "error": first.get("error") or later.get("error")}
+    return {**first, "step_times_s": first["step_times_s"] + later["step_times_s"]}
 
 
 def run_one(run, data_shape, timeout_s: float, log=None) -> dict:

@@ -41,13 +41,13 @@ def run_sweep(s: dict) -> list[str]:
     print(f"{len(runs)} configurations, each in a fresh process; worker logs in "
           f"{os.path.join(s['out_dir'], 'worker_logs.txt')}", flush=True)
     with open(os.path.join(s["out_dir"], "worker_logs.txt"), "w") as log:
-        raw = runner.run_all(runs, data_shapes, s["timeout_s"], log)
+        raw = runner.run_all(runs, data_shapes, s["timeout_s"], log, s["repeats"])
     rows = report.summarize(raw)
     out = {name: os.path.join(s["out_dir"], name) for name in ("results.csv", "results.json", "results.md")}
     report.write_csv(rows, out["results.csv"])
     report.write_json(rows, s, out["results.json"])
     table = report.markdown(rows, {k: s[k] for k in ("mode", "dataset", "image_size", "warmup_steps", "timed_steps",
-                                                    "threads", "cpu_devices")})
+                                                    "repeats", "threads", "cpu_devices")})
     with open(out["results.md"], "w") as f:
         f.write(table)
     print(table, flush=True)
