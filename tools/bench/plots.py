@@ -103,7 +103,10 @@ def _throughput(rows, path):
             xs, ys, lo, hi = zip(*points)
             ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
                         marker="o", capsize=3, label=label)
+        batches = sorted({r["global_batch"] for r in panel})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("global batch")
         ax.set_ylabel("images/s (median, p10-p90)")
         ax.set_title(_title(key))
