@@ -143,6 +143,7 @@ def test_report_speedup_efficiency_and_peer_ratios():
     assert data["speedup"] == pytest.approx(2.0) and data["efficiency"] == pytest.approx(1.0)
     assert data["ours_vs_keras_fit"] == pytest.approx(2.0) and data.get("ours_vs_torch_ddp") is None
     assert keras_fit["speedup"] is None   # no one-device Keras run to compare with
+    assert torch_ddp["images_per_s_median"] is None and torch_ddp["error"].startswith("torch not installed")
     assert single["memory_total_bytes"] == 2**20 and data["memory_total_bytes"] is None
     table = report.markdown(rows, {"mode": "test"})
     assert "| 2 GPUs data | 50.0 | 1280.0 (1280-1280) | 2.00 | 100% | 1.5 |" in table

@@ -64,7 +64,7 @@ class BenchRun:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "BenchRun":
+    def from_json(cls, text: str) -> BenchRun:
         return cls(**json.loads(text))
 
 

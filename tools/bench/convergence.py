@@ -59,7 +59,7 @@ def train_command(strategy, n, run_dir, s: dict) -> list[str]:
 def run_convergence(s: dict) -> list[str]:
     """Trains every configuration, writes convergence.csv/.md/.png; returns their paths."""
     configs = parse_configs(s["configs"])
-    import keras   # the progress bar
+    import keras  # the progress bar
     os.makedirs(s["out_dir"], exist_ok=True)
     bar = keras.utils.Progbar(len(configs), unit_name="config", stateful_metrics=["test_accuracy"])
     curves = []

@@ -32,7 +32,7 @@ def run_all(runs, data_shapes: dict, timeout_s: float, log=None, repeats: int = 
     step times of all its rounds: on a shared machine a burst of load then spoils one round
     of every configuration a little instead of one configuration a lot.
     """
-    import keras   # the progress bar; TensorFlow itself never starts devices in this process
+    import keras  # the progress bar; TensorFlow itself never starts devices in this process
     bar = keras.utils.Progbar(len(runs) * repeats, stateful_metrics=["images/s"], unit_name="config")
     results = [None] * len(runs)
     for round_ in range(repeats):

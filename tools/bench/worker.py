@@ -51,6 +51,7 @@ def main(argv) -> int:
 
 def _run_tensorflow(run) -> dict:
     import tensorflow as tf
+
     from tf_multigpu.parallel import configure_devices
     threads = run.threads or os.cpu_count()
     tf.config.threading.set_intra_op_parallelism_threads(threads)
@@ -82,6 +83,7 @@ def _source_and_batches(run, global_batch, batch_size):
 def _time_ours(run, devices) -> dict:
     """Our training step, built as the training loop builds it (tests/helpers.py one_step)."""
     import tensorflow as tf
+
     from tf_multigpu.config import Config
     from tf_multigpu.parallel import make_parallelism
     from tf_multigpu.parallel.memory import bytes_per_device
@@ -108,6 +110,7 @@ def _time_ours(run, devices) -> dict:
 def _time_keras_fit(run, devices) -> dict:
     """Keras `model.fit` under the same tf.distribute strategy as our `single`/`data`."""
     import keras
+
     from tf_multigpu.models import build_model
     from tf_multigpu.parallel import make_parallelism
 
