@@ -34,6 +34,9 @@ def build_runs(s: dict) -> list:
 
 def run_sweep(s: dict) -> list[str]:
     """Runs the sweep; returns the paths it wrote."""
+    if s["dataset"] == "synthetic" and not s["image_size"]:
+        from tf_multigpu.data.synthetic import DEFAULT_SIZE
+        s = {**s, "image_size": DEFAULT_SIZE}   # tables and rows then say 224, not "own size"
     runs = build_runs(s)
     data_shapes = _data_shapes(s)
     os.makedirs(s["out_dir"], exist_ok=True)
