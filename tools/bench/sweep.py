@@ -34,10 +34,11 @@ def build_runs(s: dict) -> list:
 
 def run_sweep(s: dict) -> list[str]:
     """Runs the sweep; returns the paths it wrote."""
+    runs = build_runs(s)   # validates the settings first: a usage error stops before TensorFlow loads
     if s["dataset"] == "synthetic" and not s["image_size"]:
         from tf_multigpu.data.synthetic import DEFAULT_SIZE
         s = {**s, "image_size": DEFAULT_SIZE}   # tables and rows then say 224, not "own size"
-    runs = build_runs(s)
+        runs = build_runs(s)
     data_shapes = _data_shapes(s)
     os.makedirs(s["out_dir"], exist_ok=True)
     s = {**s, "versions": _versions(), "torch_available": runner.torch_available()}
