@@ -86,6 +86,7 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path):
     (["--out_dir=x", "--strategies=single,bogus"], "unknown strategy 'bogus'"),
     (["--out_dir=x", "--peers=jax"], "unknown peer 'jax'"),
     (["--out_dir=x", "--paper", "--smoke"], "give one of them"),
+    (["--out_dir=x", "--paper", "--devices=2"], "--paper sets its own configurations: drop --devices"),
     (["--out_dir=x", "--timed_steps=0"], "--timed_steps=0 must be >= 1"),
     (["--out_dir=x", "--paper", "--cpu_devices=2"], "use --cpu_devices=4"),
     (["--out_dir=x", "--strategies=hybrid", "--devices=1,2"], "no configuration exists"),

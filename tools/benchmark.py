@@ -71,6 +71,14 @@ def settings_from_flags() -> dict:
         raise UsageError("--out_dir is required: give a directory for the tables and plots")
     if FLAGS.paper and FLAGS.smoke:
         raise UsageError("--paper and --smoke are different sweeps: give one of them")
+    # Flags a sweep would silently ignore are refused instead.
+    fixed = {"paper": ("strategies", "devices"),
+             "smoke": ("strategies", "devices", "batch_sizes", "models")}
+    for mode, names in fixed.items():
+        given = [f"--{n}" for n in names if FLAGS[mode].value and FLAGS[n].present]
+        if given:
+            raise UsageError(f"--{mode} sets its own configurations: drop {', '.join(given)} "
+                             f"(or drop --{mode} to sweep a grid)")
     for name, low in (("warmup_steps", 0), ("timed_steps", 1), ("cpu_devices", 0), ("threads", 0), ("image_size", 0),
                       ("timeout_s", 1)):
         if FLAGS[name].value < low:
