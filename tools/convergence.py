@@ -1,0 +1,74 @@
+"""Convergence comparison: test error against wall-clock time per configuration (Figure 1).
+
+    python tools/convergence.py --out_dir=runs/convergence                # digits, small_convnet
+    python tools/convergence.py --out_dir=runs/conv --configs=single:1,data:2 --steps=100
+
+Trains each configuration (default: the paper's five) in a fresh `tf-multigpu-train`
+process with the same data, model, global batch, seed and steps, evaluating every
+--eval_every steps, and writes convergence.csv, convergence.md and convergence.png into
+--out_dir (the runs themselves under --out_dir/runs/). On logical CPU devices the time axis
+shows overhead, not multi-device speedup; the error axis shows that every strategy learns alike.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags, logging  # noqa: E402
+
+from tf_multigpu.errors import UsageError  # noqa: E402
+
+flags.DEFINE_string("out_dir", None, "Directory for convergence.csv/.md/.png and the runs (required).")
+flags.DEFINE_string("configs", "single:1,data:2,model:2,data:4,hybrid:4",
+                    "STRATEGY:DEVICES,... to compare (default: the paper's five configurations).")
+flags.DEFINE_string("dataset", "digits", "digits, synthetic, or tfds:NAME.")
+flags.DEFINE_string("model", "small_convnet", "Model (registry name or package.module:function).")
+flags.DEFINE_integer("image_size", 0, "Resize images to SIZE x SIZE (0: the data set's own size).")
+flags.DEFINE_integer("batch_size", 64, "GLOBAL batch size (divisible by every configuration's replicas).")
+flags.DEFINE_integer("steps", 300, "Training steps of every configuration.")
+flags.DEFINE_integer("eval_every", 20, "Evaluate on the test split every N steps (the curve's points).")
+flags.DEFINE_float("learning_rate", 0.05, "Peak SGD learning rate (cosine schedule, momentum 0.9).")
+flags.DEFINE_integer("seed", 0, "Same seed: same initial weights and batches in every configuration.")
+flags.DEFINE_integer("cpu_devices", 0, "Run on logical CPU devices (N >= each configuration's devices). "
+                     "0: GPUs if any, else logical CPUs.")
+flags.DEFINE_integer("timeout_s", 3600, "Give up on one configuration after this many seconds.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+    logging.set_verbosity(logging.WARNING)   # TensorBoard's reader logs each file it opens
+    try:
+        if not FLAGS.out_dir:
+            raise UsageError("--out_dir is required: give a directory for the curves and runs")
+        for name, low in (("batch_size", 1), ("steps", 1), ("eval_every", 1), ("cpu_devices", 0), ("timeout_s", 1)):
+            if FLAGS[name].value < low:
+                raise UsageError(f"--{name}={FLAGS[name].value} must be >= {low}")
+        from tools.bench.convergence import parse_configs, run_convergence
+        parse_configs(FLAGS.configs)   # bad --configs: one line before anything trains
+        paths = run_convergence({name: FLAGS[name].value for name in (
+            "out_dir", "configs", "dataset", "model", "image_size", "batch_size", "steps", "eval_every",
+            "learning_rate", "seed", "cpu_devices", "timeout_s")})
+    except UsageError as e:
+        _fail(str(e))
+    print("\n".join(paths))
+
+
+def _parse_flags(argv):
+    """absl's parser, but a bad flag is a usage error: one line, exit status 2."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e} (see --help)")
+
+
+def _fail(message: str):
+    print(f"convergence: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=_parse_flags)
