@@ -31,12 +31,18 @@ COLUMNS = (
 
 
 def communication_split(row: dict) -> dict:
-    """Step time split into compute and communication, in seconds: the place for the
-    communication report (issue 5) to fill in. It receives a finished row (strategy,
-    devices, mesh, model, global_batch, step_time_median_s, ...) and returns
-    {"compute_s": float | None, "communication_s": float | None}; None means not measured
-    and leaves the CSV cells and table columns empty."""
-    return {"compute_s": None, "communication_s": None}
+    """The median step time split into compute and communication, in seconds.
+
+    The worker traces a few extra steps with the profiler (tf_multigpu.profiling: the union
+    of collective-op intervals per step); tracing slows steps down, so the traced FRACTION of
+    communication is applied to the untraced median step time. None (empty cells) for peers
+    and failed runs."""
+    traced_step, traced_comm = row.get("traced_step_s"), row.get("traced_communication_s")
+    median = row.get("step_time_median_s")
+    if not traced_step or median is None or traced_comm is None:
+        return {"compute_s": None, "communication_s": None}
+    communication = median * traced_comm / traced_step
+    return {"compute_s": median - communication, "communication_s": communication}
 
 
 def summarize(raw_rows: list[dict]) -> list[dict]:

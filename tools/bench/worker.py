@@ -30,6 +30,7 @@ import traceback
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 POOL_BATCHES = 2
+TRACED_STEPS = 3   # after the timed steps: traced for the compute / communication split
 
 
 def main(argv) -> int:
@@ -104,7 +105,30 @@ def _time_ours(run, devices) -> dict:
     one = tf.constant(1)
     times = _time_steps(lambda: {k: v.numpy() for k, v in step(iterator, one).items()},
                         run.warmup_steps, run.timed_steps)
-    return {"step_times_s": times, "memory_bytes": memory, "parameters": int(model.count_params())}
+    traced = _traced_split(lambda: {k: v.numpy() for k, v in step(iterator, one).items()})
+    return {"step_times_s": times, "memory_bytes": memory, "parameters": int(model.count_params()), **traced}
+
+
+def _traced_split(step, steps: int = TRACED_STEPS) -> dict:
+    """Median step and communication seconds of `steps` extra steps traced by the profiler
+    (the communication report's reading of the trace: tf_multigpu/profiling/xspace.py)."""
+    import statistics
+    import tempfile
+
+    import tensorflow as tf
+
+    from tf_multigpu.profiling import xspace
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        for n in range(steps):
+            with tf.profiler.experimental.Trace("train", step_num=n + 1, _r=1):
+                step()
+        tf.profiler.experimental.stop()
+        per_step = xspace.step_times(xspace.latest_trace(logdir))
+    if not per_step:
+        return {}
+    return {"traced_step_s": statistics.median(s["step_ms"] for s in per_step) / 1e3,
+            "traced_communication_s": statistics.median(s["communication_ms"] for s in per_step) / 1e3}
 
 
 def _time_keras_fit(run, devices) -> dict:
