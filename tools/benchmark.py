@@ -49,6 +49,9 @@ flags.DEFINE_integer("cpu_devices", 0, "Run on N logical CPU devices (>= the lar
 flags.DEFINE_integer("threads", 0, "CPU threads per run, the same budget for every framework (0: all cores).")
 flags.DEFINE_list("peers", ["keras_fit", "torch_ddp"], "Peers to time beside our single/data runs "
                   "(keras_fit, torch_ddp; --peers= for none).")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of our runs and "
+                  "Keras fit's (mixed precision); the PyTorch peer runs float32 only and is skipped otherwise.")
+flags.DEFINE_boolean("xla", False, "XLA-compile our step and Keras fit's (jit_compile).")
 flags.DEFINE_integer("timeout_s", 1800, "Give up on one configuration after this many seconds.")
 FLAGS = flags.FLAGS
 
@@ -89,7 +92,7 @@ def settings_from_flags() -> dict:
         "models": FLAGS.models, "dataset": FLAGS.dataset, "image_size": FLAGS.image_size,
         "warmup_steps": FLAGS.warmup_steps, "timed_steps": FLAGS.timed_steps, "cpu_devices": FLAGS.cpu_devices,
         "repeats": FLAGS.repeats, "threads": FLAGS.threads or os.cpu_count(), "peers": FLAGS.peers, "timeout_s": FLAGS.timeout_s,
-        "out_dir": FLAGS.out_dir,
+        "out_dir": FLAGS.out_dir, "dtype": FLAGS.dtype, "xla": FLAGS.xla,
     }
     if FLAGS.paper:
         s["models"] = FLAGS.models if FLAGS["models"].present else ["alexnet"]

@@ -41,6 +41,8 @@ class BenchRun:
     cpu_devices: int = 0   # > 0: logical CPU devices; 0: GPUs if any, else logical CPUs
     threads: int = 0       # CPU thread budget shared by the run (0: all cores)
     seed: int = 0
+    dtype: str = "float32" # compute dtype (Keras mixed precision for ours and Keras fit)
+    xla: bool = False      # XLA-compile the step (ours: forward + backward; Keras fit: jit_compile)
 
     @property
     def mesh(self) -> str:

@@ -12,7 +12,8 @@ from tools.bench import configs, plots, report, runner
 def build_runs(s: dict) -> list:
     """Our runs for the settings, then the peers' twins of our single/data runs."""
     configs.check_lists(s["strategies"], s["devices"], s["batch_sizes"], s["models"], s["peers"])
-    common = {k: s[k] for k in ("dataset", "image_size", "warmup_steps", "timed_steps", "cpu_devices", "threads")}
+    common = {k: s[k] for k in ("dataset", "image_size", "warmup_steps", "timed_steps", "cpu_devices", "threads",
+                                "dtype", "xla")}
     if s["mode"] == "paper":
         ours = [run for model in s["models"] for batch in s["batch_sizes"]
                 for run in configs.paper_runs(model, batch, **common)]

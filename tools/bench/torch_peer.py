@@ -22,6 +22,8 @@ POOL_BATCHES = 2
 
 def run_torch_ddp(run, image_shape, num_classes) -> dict:
     """Times `run` (a BenchRun of kind torch_ddp); {"step_times_s", "parameters", ...}."""
+    if run.dtype != "float32":
+        raise ValueError(f"the PyTorch peer runs float32 only: compare at --dtype=float32, not {run.dtype}")
     import torch
     import torch.multiprocessing as mp
     use_cuda = run.cpu_devices == 0 and torch.cuda.is_available()

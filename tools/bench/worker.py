@@ -94,14 +94,14 @@ def _time_ours(run, devices) -> dict:
     total = run.warmup_steps + run.timed_steps
     cfg = Config(run_dir="unused", strategy=run.strategy, model=run.model, dataset=run.dataset,
                  image_size=run.image_size, batch_size=run.batch, lr_schedule="constant",
-                 learning_rate=0.01, seed=run.seed)
+                 learning_rate=0.01, seed=run.seed, dtype=run.dtype, xla=run.xla)
     source, make = _source_and_batches(run, run.batch, run.batch)
     par = make_parallelism(run.strategy, devices, run.batch, mesh=run.mesh)
     cfg.check_devices(par.num_replicas)
     model, optimizer = build_model_and_optimizer(cfg, par, source, total)
     memory = bytes_per_device(model, optimizer, par)
     iterator = iter(par.distribute(make))
-    step = par.compile(make_train_step(model, optimizer, run.batch))
+    step = par.compile(make_train_step(model, optimizer, run.batch, jit_compile=run.xla))
     one = tf.constant(1)
     times = _time_steps(lambda: {k: v.numpy() for k, v in step(iterator, one).items()},
                         run.warmup_steps, run.timed_steps)
@@ -141,11 +141,13 @@ def _time_keras_fit(run, devices) -> dict:
     par = make_parallelism("single" if run.devices == 1 else "data", devices, run.batch)
     source, make = _source_and_batches(run, run.batch, run.batch)   # fit splits global batches
     keras.utils.set_random_seed(run.seed)
+    if run.dtype != "float32":
+        keras.config.set_dtype_policy(f"mixed_{run.dtype}")
     with par.strategy.scope():
         model = build_model(run.model, source.image_shape, source.num_classes)
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9, weight_decay=5e-4),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], steps_per_execution=1)
+                      metrics=["accuracy"], steps_per_execution=1, jit_compile=run.xla)
     times = []
 
     class StepTimer(keras.callbacks.Callback):
