@@ -16,6 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up ch
 
 from absl import app, flags, logging  # noqa: E402
 
+from tf_multigpu import cli  # noqa: E402
 from tf_multigpu.errors import UsageError  # noqa: E402
 
 USAGE_ERROR = 2
@@ -46,17 +47,8 @@ def main(argv):
                      sort_keys=True), flush=True)
 
 
-def _parse_flags(argv):
-    """absl's parser, but a bad flag is a usage error: one line, exit status 2."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        _fail(f"{e} (see --help)")
-
-
-def _fail(message: str):
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(USAGE_ERROR)
+def _fail(message: str, status: int = cli.USAGE_ERROR):
+    cli.fail(PROG, message, status)
 
 
 _OWN_FLAGS = ("run_dir", "checkpoint", "export_dir", "evaluate")
@@ -68,7 +60,7 @@ def run():
     # that is the installed wrapper, so list ours under it too.
     for name in _OWN_FLAGS:
         FLAGS.register_flag_by_module(sys.argv[0], FLAGS[name])
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=cli.flags_parser(PROG))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up ch
 from absl import app, flags, logging
 
 from tf_multigpu.config import flags as run_flags
+from tf_multigpu import cli
 from tf_multigpu.errors import DoesNotFit, UsageError
 
 USAGE_ERROR = 2
@@ -75,17 +76,8 @@ def _train_or_report_oom(train, cfg, devices, runtime):
                          "(--strategy=model or hybrid)") from None
 
 
-def _parse_flags(argv):
-    """absl's parser, but a bad flag is a usage error: one line, exit status 2."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _fail(f"{e} (see --help)")
-
-
-def _fail(message: str, status: int = USAGE_ERROR):
-    print(f"tf-multigpu-train: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(status)
+def _fail(message: str, status: int = cli.USAGE_ERROR):
+    cli.fail('tf-multigpu-train', message, status)
 
 
 def run():
@@ -94,7 +86,7 @@ def run():
     # installed console-script wrapper); ours are defined in config/flags.py, so list them there.
     for flag in flags.FLAGS.get_flags_for_module(run_flags):
         flags.FLAGS.register_flag_by_module(sys.argv[0], flag)
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=cli.flags_parser('tf-multigpu-train'))
 
 
 if __name__ == "__main__":

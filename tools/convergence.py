@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 
+from tf_multigpu import cli  # noqa: E402
 from tf_multigpu.errors import UsageError  # noqa: E402
 
 flags.DEFINE_string("out_dir", None, "Directory for convergence.csv/.md/.png and the runs (required).")
@@ -57,18 +58,9 @@ def main(argv):
     print("\n".join(paths))
 
 
-def _parse_flags(argv):
-    """absl's parser, but a bad flag is a usage error: one line, exit status 2."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        _fail(f"{e} (see --help)")
-
-
-def _fail(message: str):
-    print(f"convergence: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+def _fail(message: str, status: int = cli.USAGE_ERROR):
+    cli.fail('convergence', message, status)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=cli.flags_parser('convergence'))
