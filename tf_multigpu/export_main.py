@@ -19,7 +19,6 @@ from absl import app, flags, logging  # noqa: E402
 from tf_multigpu import cli  # noqa: E402
 from tf_multigpu.errors import UsageError  # noqa: E402
 
-USAGE_ERROR = 2
 PROG = "tf-multigpu-export"
 
 flags.DEFINE_string("run_dir", None, "The --run_dir of a training run (required).")

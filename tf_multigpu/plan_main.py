@@ -19,7 +19,6 @@ from absl import app, flags, logging
 from tf_multigpu import cli
 from tf_multigpu.errors import UsageError
 
-USAGE_ERROR = 2
 PROG = "tf-multigpu-plan"
 
 flags.DEFINE_string("model", "small_convnet", "alexnet, small_convnet, or package.module:function.")

@@ -18,7 +18,6 @@ from tf_multigpu.config import flags as run_flags
 from tf_multigpu import cli
 from tf_multigpu.errors import DoesNotFit, UsageError
 
-USAGE_ERROR = 2
 DOES_NOT_FIT = 3   # out of device memory: a batch-size search reads this
 PEER_LOST = 1
 
