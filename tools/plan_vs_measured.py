@@ -54,7 +54,8 @@ def measure_plan(plan, workdir) -> float:
     args = [sys.executable, "-m", "tf_multigpu.train", f"--run_dir={run_dir}", f"--model={FLAGS.model}",
             f"--dataset={FLAGS.dataset}", f"--batch_size={FLAGS.batch_size}", f"--steps={FLAGS.steps}",
             f"--log_every={FLAGS.log_every}", f"--checkpoint_every={FLAGS.steps}",
-            f"--eval_every={FLAGS.steps}", f"--cpu_devices={FLAGS.cpu_devices}", *plan.flags().split()]
+            f"--eval_every={FLAGS.steps}", f"--cpu_devices={FLAGS.cpu_devices}", "--noexport",
+            *plan.flags().split()]
     if FLAGS.image_size:
         args.append(f"--image_size={FLAGS.image_size}")
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, check=False)
