@@ -10,11 +10,10 @@ only, and importing the training flags would put them all in --help.
 
 import json
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up chatter off the console
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 
 from tf_multigpu import cli  # noqa: E402
 from tf_multigpu.errors import UsageError  # noqa: E402
@@ -55,11 +54,7 @@ _OWN_FLAGS = ("run_dir", "checkpoint", "export_dir", "evaluate")
 
 def run():
     """Console-script entry point."""
-    # absl's --help lists the flags of the module that sys.argv[0] names; for a console script
-    # that is the installed wrapper, so list ours under it too.
-    for name in _OWN_FLAGS:
-        FLAGS.register_flag_by_module(sys.argv[0], FLAGS[name])
-    app.run(main, flags_parser=cli.flags_parser(PROG))
+    cli.run(main, PROG, _OWN_FLAGS)
 
 
 if __name__ == "__main__":

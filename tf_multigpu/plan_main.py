@@ -10,11 +10,10 @@ meaning as tf-multigpu-train's.
 
 import json
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up chatter off the console
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from tf_multigpu import cli
 from tf_multigpu.errors import UsageError
@@ -98,10 +97,7 @@ def _fail(message: str, status: int = cli.USAGE_ERROR):
 
 def run():
     """Console-script entry point."""
-    # absl's --help lists the flags of the module sys.argv[0] names (the console-script wrapper).
-    for name in _OWN_FLAGS:
-        FLAGS.register_flag_by_module(sys.argv[0], FLAGS[name])
-    app.run(main, flags_parser=cli.flags_parser(PROG))
+    cli.run(main, PROG, _OWN_FLAGS)
 
 
 if __name__ == "__main__":

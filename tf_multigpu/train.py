@@ -8,11 +8,10 @@ checkpoint with status 143; a lost worker is one line and status 1.
 
 import json
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up chatter off the console
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from tf_multigpu.config import flags as run_flags
 from tf_multigpu import cli
@@ -80,12 +79,8 @@ def _fail(message: str, status: int = cli.USAGE_ERROR):
 
 
 def run():
-    """Console-script entry point."""
-    # absl's --help lists the flags of the module sys.argv[0] names (this file, or the
-    # installed console-script wrapper); ours are defined in config/flags.py, so list them there.
-    for flag in flags.FLAGS.get_flags_for_module(run_flags):
-        flags.FLAGS.register_flag_by_module(sys.argv[0], flag)
-    app.run(main, flags_parser=cli.flags_parser('tf-multigpu-train'))
+    """Console-script entry point (the flags are defined in config/flags.py)."""
+    cli.run(main, "tf-multigpu-train", [flag.name for flag in flags.FLAGS.get_flags_for_module(run_flags)])
 
 
 if __name__ == "__main__":
