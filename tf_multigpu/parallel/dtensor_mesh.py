@@ -69,7 +69,7 @@ class DTensorParallelism:
         else:   # a multi-client mesh: every client names its own devices
             self.mesh = dtensor.create_distributed_mesh(
                 dims, local_devices=[d.split("device:")[-1] for d in local_devices])
-        self.multi_worker = local_devices is not None
+        self.spans_workers = local_devices is not None
         # The batch groups this client's devices are in, and so the rows of each global batch
         # it reads: the i-th of n equal slices (all of them in one process).
         self.local_ids = list(self.mesh.local_device_ids())
@@ -127,7 +127,7 @@ class DTensorParallelism:
 
     def any_worker(self, flag: bool) -> bool:
         """True on every client if `flag` is true on any (one max-reduce over the mesh)."""
-        if not self.multi_worker:
+        if not self.spans_workers:
             return flag
         layout = dtensor.Layout(["batch", "model"], self.mesh)
         flags = dtensor.pack([tf.constant([[1.0 if flag else 0.0]])] * len(self.local_ids), layout)

@@ -58,7 +58,7 @@ class DistributeParallelism:
         self.num_replicas = strategy.num_replicas_in_sync
         # (i, n): this process reads the i-th of n equal row slices of every global batch.
         self.input_shard = input_shard
-        self.multi_worker = input_shard[1] > 1
+        self.spans_workers = input_shard[1] > 1
 
     @classmethod
     def create(cls, name: str, devices, global_batch: int, all_reduce: str = "auto"):
@@ -138,7 +138,7 @@ class DistributeParallelism:
 
     def any_worker(self, flag: bool) -> bool:
         """True on every worker if `flag` is true on any (a collective across workers)."""
-        if not self.multi_worker:
+        if not self.spans_workers:
             return flag
         values = self.strategy.experimental_distribute_values_from_function(
             lambda context: tf.constant(1.0 if flag else 0.0))
