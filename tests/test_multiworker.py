@@ -105,6 +105,8 @@ def one_process(tmp_path_factory):
     (["--task_index=1"], {}, "--task_index=1 needs --worker_hosts"),
     (["--strategy=single", "--worker_hosts=a:1,b:2", "--task_index=0"], {}, "--strategy=single runs on one device"),
     (["--peer_timeout=0"], {}, "--peer_timeout=0 must be >= 1"),
+    (["--worker_hosts=a:1,b:2", "--task_index=0", "--device_memory_limit=100"], {},
+     "--device_memory_limit and --logical_gpus apply to one process, but --worker_hosts describes 2 workers"),
     ([], {"TF_CONFIG": "{not json"}, "TF_CONFIG is not {"),
     ([], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1"], "ps": ["b:2"]},
                                    "task": {"type": "worker", "index": 0}})}, "only 'chief' and 'worker'"),

@@ -33,6 +33,10 @@ def main(argv):
         if cluster and cfg.strategy == "single":
             raise UsageError(f"--strategy=single runs in one process, but {cluster.source} describes "
                              f"{cluster.num_workers} workers: use --strategy=data, model or hybrid")
+        if cluster and (cfg.device_memory_limit or cfg.logical_gpus > 1):
+            # The workers' runtime starts on whole devices; refused rather than silently ignored.
+            raise UsageError(f"--device_memory_limit and --logical_gpus apply to one process, but {cluster.source} "
+                             f"describes {cluster.num_workers} workers: drop them")
         if cfg.profile_steps and cfg.strategy in ("model", "hybrid"):
             # Before TensorFlow runs anything: the report reads DTensor's lowered step graph.
             from tf_multigpu.profiling.collectives import enable_graph_dumps
