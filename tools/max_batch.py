@@ -18,6 +18,8 @@ import tempfile
 
 from absl import app, flags
 
+from tf_multigpu.config.config import replicas_for
+
 flags.DEFINE_string("model", "alexnet", "Model to probe.")
 flags.DEFINE_string("dataset", "synthetic", "Data set (synthetic: ImageNet-shaped, 4,096 training images).")
 flags.DEFINE_integer("image_size", 0, "Image size (0: the data set's).")
@@ -67,10 +69,6 @@ def largest_batch(strategy: str, replicas: int) -> int:
     return low
 
 
-def replicas_of(strategy: str, devices: int) -> int:
-    return {"single": 1, "data": devices, "model": 1, "hybrid": max(devices // 2, 1)}[strategy]
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
@@ -81,7 +79,7 @@ def main(argv):
     devices = FLAGS.num_devices or FLAGS.cpu_devices or 1
     rows = []
     for strategy in FLAGS.strategies:
-        batch = largest_batch(strategy, replicas_of(strategy, devices))
+        batch = largest_batch(strategy, replicas_for(strategy, devices))
         rows.append({"strategy": strategy, "devices": 1 if strategy == "single" else devices,
                      "largest_global_batch": batch})
     os.makedirs(FLAGS.out_dir, exist_ok=True)

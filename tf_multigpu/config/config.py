@@ -180,6 +180,13 @@ def mesh_for(strategy: str, mesh: str, num_devices: int) -> dict:
     return {"batch": max(num_devices // 2, 1), "model": 2}
 
 
+def replicas_for(strategy: str, num_devices: int, mesh: str = "") -> int:
+    """Data-parallel replicas of a strategy on `num_devices`: the global batch splits this many ways."""
+    if strategy in ("model", "hybrid"):
+        return mesh_for(strategy, mesh, num_devices)["batch"]
+    return 1 if strategy == "single" else num_devices
+
+
 def load_config(path: str) -> Config:
     """Reads a config written by `Config.write`."""
     with open(path) as f:

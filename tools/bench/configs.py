@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from tf_multigpu.config.config import mesh_for, replicas_for
 from tf_multigpu.errors import UsageError
 
 STRATEGIES = ("single", "data", "model", "hybrid")
@@ -47,16 +48,15 @@ class BenchRun:
     @property
     def mesh(self) -> str:
         """The DTensor mesh of model/hybrid runs (the defaults of tf-multigpu-train)."""
-        if self.strategy == "model":
-            return f"batch:1,model:{self.devices}"
-        if self.strategy == "hybrid":
-            return f"batch:{self.devices // 2},model:2"
-        return ""
+        if self.strategy not in ("model", "hybrid"):
+            return ""
+        shape = mesh_for(self.strategy, "", self.devices)
+        return f"batch:{shape['batch']},model:{shape['model']}"
 
     @property
     def replicas(self) -> int:
         """Data-parallel replicas: the global batch splits this many ways."""
-        return {"single": 1, "data": self.devices, "model": 1, "hybrid": self.devices // 2}[self.strategy]
+        return replicas_for(self.strategy, self.devices)
 
     def label(self, device_word: str = "GPU") -> str:
         """The configuration as the paper names it, e.g. '4 GPUs hybrid (2 model x 2 data)'."""
