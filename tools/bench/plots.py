@@ -31,12 +31,15 @@ def write_plots(rows, out_dir) -> list[str]:
 
 
 def _panels(rows):
+    """A figure with one panel per (model, data set, image size): (fig, [(ax, key, rows)])."""
     keys = []
     for r in rows:
         key = (r["model"], r["dataset"], r["image_size"])
         if key not in keys:
             keys.append(key)
-    return keys
+    fig, axes = _figure(len(keys))
+    return fig, [(ax, key, [r for r in rows if (r["model"], r["dataset"], r["image_size"]) == key])
+                 for ax, key in zip(axes, keys)]
 
 
 def _title(key):
@@ -68,10 +71,8 @@ def _configs(rows):
 
 
 def _speedup(rows, path):
-    keys = _panels(rows)
-    fig, axes = _figure(len(keys))
-    for ax, key in zip(axes, keys):
-        panel = [r for r in rows if (r["model"], r["dataset"], r["image_size"]) == key]
+    fig, panels = _panels(rows)
+    for ax, key, panel in panels:
         configs = _configs(panel)
         batches = sorted({r["global_batch"] for r in panel})
         width = 0.8 / (len(batches) + 1)
@@ -93,10 +94,8 @@ def _speedup(rows, path):
 
 
 def _throughput(rows, path):
-    keys = _panels(rows)
-    fig, axes = _figure(len(keys))
-    for ax, key in zip(axes, keys):
-        panel = [r for r in rows if (r["model"], r["dataset"], r["image_size"]) == key]
+    fig, panels = _panels(rows)
+    for ax, key, panel in panels:
         for s, n, label in _configs(panel):
             points = sorted((r["global_batch"], r["images_per_s_median"], r["images_per_s_p10"], r["images_per_s_p90"])
                             for r in panel if (r["strategy"], r["devices"]) == (s, n))
@@ -115,11 +114,9 @@ def _throughput(rows, path):
 
 
 def _memory(rows, path):
-    keys = _panels(rows)
-    fig, axes = _figure(len(keys))
-    for ax, key in zip(axes, keys):
-        panel = [r for r in rows if (r["model"], r["dataset"], r["image_size"]) == key
-                 and r.get("memory_total_bytes") is not None]
+    fig, panels = _panels(rows)
+    for ax, key, panel in panels:
+        panel = [r for r in panel if r.get("memory_total_bytes") is not None]
         batch = max(r["global_batch"] for r in panel) if panel else None
         panel = [r for r in panel if r["global_batch"] == batch]
         labels = [r["label"] for r in panel]
