@@ -49,7 +49,7 @@ class Collective:
         return self.payload_bytes * factor
 
 
-def _op_kind(op_type: str, name: str) -> str | None:
+def _op_kind(op_type: str) -> str | None:
     if "AllToAll" in op_type:
         return "all_to_all"
     if "ReduceScatter" in op_type:
@@ -69,7 +69,7 @@ def from_function_graph(graph, device: str) -> list[Collective]:
     """
     found = []
     for op in graph.get_operations():
-        kind_of_op = _op_kind(op.type, op.name)
+        kind_of_op = _op_kind(op.type)
         if kind_of_op is None or not op.device.endswith(device.split("device:")[-1]):
             continue
         tensor = op.inputs[0]
@@ -148,7 +148,7 @@ def from_dtensor_graph_def(graph_def, global_batch: int = 0, weight_shapes=froze
     for node in graph_def.node:
         if not node.op.startswith("Collective"):
             continue
-        op = "all_gather" if "AllGather" in node.name else _op_kind(node.op, node.name)
+        op = "all_gather" if "AllGather" in node.name else _op_kind(node.op)
         if op is None:
             continue
         dtype = tf.dtypes.as_dtype(node.attr["T"].type)

@@ -37,11 +37,11 @@ class StepProfiler:
 
     def run(self, train_fn, iterator, step: int, window: int) -> dict:
         """`train_fn(iterator, window)`, traced if it is a profiled step; the sums as floats."""
+        sums = self._run(train_fn, iterator, step, window)
         if self.collectives is not None:
-            return self._run(train_fn, iterator, step, window)
-        # The first call compiles the step: read its collectives from TensorFlow's graphs.
+            return sums
+        # That was the first call, which compiled the step: read its collectives from TensorFlow's graphs.
         if hasattr(self.par, "mesh"):   # DTensor: collectives exist only after SPMD expansion
-            sums = self._run(train_fn, iterator, step, window)
             found = coll.read_lowered_step(self.meta["global_batch"],
                                            {tuple(w.shape) for w in self.model.weights})
             if found is None:
@@ -50,7 +50,6 @@ class StepProfiler:
                       flush=True)
                 found = []
         else:
-            sums = self._run(train_fn, iterator, step, window)
             graph = train_fn.get_concrete_function(iterator, tf.constant(window)).graph
             found = coll.from_function_graph(graph, self.par.devices[0])
         self.collectives = found
