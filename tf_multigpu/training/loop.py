@@ -90,46 +90,47 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     steady, train_metrics, test_metrics = Throughput(), {}, {}
     step = start
     stop = StopOnSigterm.install()
-    while step < total_steps:
-        # Run up to the next log, evaluation, checkpoint or the end in one call.
-        window = min(_to_next(step, cfg.log_every), _to_next(step, eval_every),
-                     _to_next(step, cfg.checkpoint_every), total_steps - step)
-        traced = profiler is not None and profiler.profiles(step)
-        window_start = time.perf_counter()
-        if profiler:
-            window = profiler.window(step, window)
-            sums = profiler.run(train_fn, train_iter, step, window)
-        else:
-            sums = _floats(train_fn(train_iter, tf.constant(window)))   # the sync point
-        seconds = time.perf_counter() - window_start
-        if not traced:   # tracing slows steps down: keep them out of the throughput
-            steady.add(sums["count"], seconds, window, warmup=step == start)
-        step += window
-        if profiler:
-            profiler.finish(writer, step)
-        train_metrics = {
-            "loss": sums["loss_sum"] / sums["count"],
-            "accuracy": sums["correct"] / sums["count"],
-            "examples_per_sec": sums["count"] / seconds,
-            "step_time_s": seconds / window,
-            "learning_rate": float(optimizer.learning_rate.numpy()),
-        }
-        _write_scalars(writer, "train", step, train_metrics)
-        shown = [("loss", train_metrics["loss"]), ("accuracy", train_metrics["accuracy"]),
-                 ("examples/s", train_metrics["examples_per_sec"])]
-        if step % eval_every == 0 or step == total_steps:
-            test_metrics = evaluate()
-            _write_scalars(writer, "test", step, test_metrics)
-            shown.append(("test_accuracy", test_metrics["test_accuracy"]))
-        stopping = stop.agreed(par) and step < total_steps   # the same answer on every worker
-        if step % cfg.checkpoint_every == 0 or step == total_steps or stopping:
-            manager.save(checkpoint_number=step)
-        bar.update(step, shown)
-        if stopping:
-            stop.uninstall()
-            role.close()
-            raise Preempted(step, f"{paths.checkpoints}/ckpt-{step}")   # the chief's, which all restore
-    stop.uninstall()
+    try:
+        while step < total_steps:
+            # Run up to the next log, evaluation, checkpoint or the end in one call.
+            window = min(_to_next(step, cfg.log_every), _to_next(step, eval_every),
+                         _to_next(step, cfg.checkpoint_every), total_steps - step)
+            traced = profiler is not None and profiler.profiles(step)
+            window_start = time.perf_counter()
+            if profiler:
+                window = profiler.window(step, window)
+                sums = profiler.run(train_fn, train_iter, step, window)
+            else:
+                sums = _floats(train_fn(train_iter, tf.constant(window)))   # the sync point
+            seconds = time.perf_counter() - window_start
+            if not traced:   # tracing slows steps down: keep them out of the throughput
+                steady.add(sums["count"], seconds, window, warmup=step == start)
+            step += window
+            if profiler:
+                profiler.finish(writer, step)
+            train_metrics = {
+                "loss": sums["loss_sum"] / sums["count"],
+                "accuracy": sums["correct"] / sums["count"],
+                "examples_per_sec": sums["count"] / seconds,
+                "step_time_s": seconds / window,
+                "learning_rate": float(optimizer.learning_rate.numpy()),
+            }
+            _write_scalars(writer, "train", step, train_metrics)
+            shown = [("loss", train_metrics["loss"]), ("accuracy", train_metrics["accuracy"]),
+                     ("examples/s", train_metrics["examples_per_sec"])]
+            if step % eval_every == 0 or step == total_steps:
+                test_metrics = evaluate()
+                _write_scalars(writer, "test", step, test_metrics)
+                shown.append(("test_accuracy", test_metrics["test_accuracy"]))
+            stopping = stop.agreed(par) and step < total_steps   # the same answer on every worker
+            if step % cfg.checkpoint_every == 0 or step == total_steps or stopping:
+                manager.save(checkpoint_number=step)
+            bar.update(step, shown)
+            if stopping:
+                role.close()
+                raise Preempted(step, f"{paths.checkpoints}/ckpt-{step}")   # the chief's, which all restore
+    finally:   # also on Preempted and errors: SIGTERM kills as usual again
+        stop.uninstall()
     if not test_metrics:   # --steps=0, or resumed at the end: still report the model's accuracy
         test_metrics = evaluate()
     writer.flush()
