@@ -1,9 +1,13 @@
 """Runs one mesh's parity checks in its own process and prints them as JSON.
 
     python -m tests.parity_worker STRATEGY MESH LAYOUT[,LAYOUT...] [STEPS] [dtype=D] [xla=1]
+                                  [model=FACTORY image_size=S batch=B]
 
 With dtype=D both runs compute in D; with xla=1 the parallel run is XLA-compiled and the
-reference is not.
+reference is not. With model=FACTORY (e.g. tests.user_models:resnet50) the model is a user's
+factory on synthetic S x S images, global batch B; the result then also holds the noise floor
+of the measure for that model: one device's step on the same batch with its rows permuted
+(BatchNormalization's batch sums in another order).
 
 A second DTensor mesh over other devices in the same process can hang in collective set-up
 (BUILD_NOTES.md), so tests/test_parity.py starts one process per mesh.
@@ -11,6 +15,9 @@ A second DTensor mesh over other devices in the same process can hang in collect
 
 import json
 import sys
+
+import numpy as np
+import tensorflow as tf
 
 from tests.conftest import DEVICES
 from tests.helpers import max_update_difference, one_step
@@ -20,19 +27,30 @@ from tf_multigpu.data import load_source
 def main(strategy, mesh, layouts, steps="1", *options):
     options = dict(option.split("=") for option in options)
     dtype, xla = options.get("dtype", "float32"), options.get("xla") == "1"
-    source = load_source("digits")
-    images, labels = next(iter(source.train_records().batch(64)))
-    images = source.preprocess(images)
-    before, single = one_step("single", DEVICES, source, images, labels, steps=int(steps), dtype=dtype)
+    model = options.get("model", "small_convnet")
+    if "image_size" in options:
+        source = load_source("synthetic", image_size=int(options["image_size"]))
+        records = source.train_records().map(lambda i, label: (source.preprocess(source.decode(i)), label))
+        images, labels = next(iter(records.batch(int(options.get("batch", 8)))))
+    else:
+        source = load_source("digits")
+        images, labels = next(iter(source.train_records().batch(64)))
+        images = source.preprocess(images)
+    before, single = one_step("single", DEVICES, source, images, labels, steps=int(steps), dtype=dtype, model=model)
     size = eval(mesh.replace("batch:", "").replace(",model:", "*"))
     result = {}
     for layout in layouts.split(","):
         before_m, split = one_step(strategy, DEVICES[:size], source, images, labels, steps=int(steps),
-                                   mesh=mesh, layout=layout, dtype=dtype, xla=xla)
+                                   mesh=mesh, layout=layout, dtype=dtype, xla=xla, model=model)
         result[layout] = {
             "same_initial_weights": all((a == b).all() for a, b in zip(before, before_m)),
             "max_update_difference": max_update_difference(before, split, single),
         }
+    if "model" in options:
+        rows = np.random.RandomState(0).permutation(len(labels))
+        _, permuted = one_step("single", DEVICES, source, tf.gather(images, rows), tf.gather(labels, rows),
+                               steps=int(steps), dtype=dtype, model=model)
+        result["noise_floor"] = max_update_difference(before, permuted, single)
     print(json.dumps(result))
 
 

@@ -19,8 +19,10 @@ from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel import make_parallelism
-from tf_multigpu.parallel.layouts import POLICIES, assign_specs, parse_rules
-from tf_multigpu.parallel.memory import bytes_per_device
+from tf_multigpu.models import build_model
+from tf_multigpu.parallel.layouts import assign_specs, parse_rules
+from tf_multigpu.parallel.memory import bytes_per_device, saved_elems
+from tf_multigpu.parallel.placement import make_plan, model_graph, policy_rules
 from tf_multigpu.profiling.analytic import minimum_bytes
 from tf_multigpu.training.loop import build_model_and_optimizer
 
@@ -38,7 +40,7 @@ def _build(devices, model, dataset, layout="filter_split", strategy="model", mes
 
 def test_each_split_kernel_holds_one_mth_per_device(devices):
     par, model, optimizer = _build(devices, "alexnet", "synthetic")
-    split = [v for v in model.trainable_weights if "model" in par.specs[v.path]]
+    split = [v for v in model.trainable_weights if par.plan.split_on_model(v.path)]
     assert {v.path.split("/")[1] for v in split} == {
         "conv1", "conv2", "conv3", "conv4", "conv5", "fc6", "fc7", "logits"}
     for v in split:
@@ -50,9 +52,8 @@ def test_each_split_kernel_holds_one_mth_per_device(devices):
 
 def test_filter_split_alexnet_on_4_devices_needs_at_most_27_percent(devices):
     par, model, optimizer = _build(devices, "alexnet", "synthetic")
-    split = bytes_per_device(model, optimizer, par)
-    replicated = make_parallelism("single", devices[:1], 32)
-    full = bytes_per_device(model, optimizer, replicated)   # same variables, counted whole
+    split = bytes_per_device(par.plan, 32)
+    full = bytes_per_device(make_plan(build_model("alexnet", (224, 224, 3), 1000), "", [], {"batch": 1, "model": 1}), 32)
     ratio = (split["parameters"] + split["optimizer_slots"]) / (full["parameters"] + full["optimizer_slots"])
     assert ratio <= 0.27, ratio
     assert split["activations"] < full["activations"]
@@ -82,9 +83,10 @@ def test_conv_data_fc_model_is_data_parallel_convs_and_model_parallel_dense(devi
     for whole in dtensor.unpack(labels):
         np.testing.assert_array_equal(whole.numpy(), np.arange(32))
 
-    single = bytes_per_device(model, optimizer, make_parallelism("single", devices[:1], 32))
-    assert bytes_per_device(model, optimizer, par)["activations"] * 4 == single["activations"]
-    minimum = minimum_bytes(model, par)
+    for layer in par.plan.layers:   # every conv activation: a quarter of the rows per device
+        if layer.node.cls.__name__ in ("Conv2D", "MaxPooling2D"):
+            assert saved_elems(par.plan, layer) * 4 == layer.node.out_elems, layer.name
+    minimum = minimum_bytes(par.plan, 32)
     assert minimum["gradients"] == 2 * 3 / 4 * ALEXNET_CONV_PARAMS * 4
     gathered = 32 * (9216 + 4096 + 4096) * 4   # fc6's input (the batch), fc7's and logits' (the units)
     assert minimum["forward_activation_payload"] == gathered
@@ -94,11 +96,12 @@ def test_conv_data_fc_model_is_data_parallel_convs_and_model_parallel_dense(devi
 
 
 def test_layout_rules_are_checked():
-    shapes = {"m/conv1/kernel": (3, 3, 1, 32), "m/conv1/bias": (32,), "m/fc1/kernel": (512, 256),
-              "m/fc1/bias": (256,), "m/logits/kernel": (256, 10), "m/logits/bias": (10,)}
-    specs = assign_specs(shapes, POLICIES["filter_split"], {"batch": 1, "model": 4})
-    assert specs["m/conv1/kernel"] == ["-", "-", "-", "model"]
-    assert specs["m/logits/kernel"] == ["-", "-"]          # 10 classes do not split 4 ways
+    plain = build_model("small_convnet", (8, 8, 1), 10)
+    shapes = {v.path: tuple(v.shape) for v in plain.weights}
+    rules = policy_rules(model_graph(plain), "filter_split", plain.name)
+    specs = assign_specs(shapes, rules, {"batch": 1, "model": 4})
+    assert specs["small_convnet/conv1/kernel"] == ["-", "-", "-", "model"]
+    assert specs["small_convnet/logits/kernel"] == ["-", "-"]          # 10 classes do not split 4 ways
     with pytest.raises(UsageError, match="match no variable"):
         assign_specs(shapes, parse_rules(".*conv9/kernel=-,-,-,model"), {"batch": 1, "model": 2})
     with pytest.raises(UsageError, match=r"dimension 3 \(32\) does not divide by the 3 devices"):

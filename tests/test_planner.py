@@ -79,21 +79,20 @@ def test_model_parallel_exchanges_activations_and_splits_parameters(alexnet_cost
     assert sum(p.param_bytes for p in layers.values()) < alexnet_cost.param_bytes / 3.9
 
 
-def test_placement_agrees_with_the_dtensor_converter(devices):
-    """The planner's split/gather decisions are the ones DTensorParallelism makes."""
+def test_the_converter_runs_what_the_placement_plan_says(devices):
+    """One plan: the DTensor model's layers are the implementations the planner costs."""
     from tf_multigpu.parallel.dtensor_mesh import DTensorParallelism
-    from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES, assign_specs
-    plain = build_model("alexnet", (64, 64, 3), 1000)
-    cost = planner.analyze(plain)
+    from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES
+    cost = planner.analyze(build_model("alexnet", (64, 64, 3), 1000))
     for layout in POLICIES:
-        par = DTensorParallelism("model", devices[:4], {"batch": 1, "model": 4}, POLICIES[layout], 64,
+        par = DTensorParallelism("model", devices[:4], {"batch": 1, "model": 4}, layout, [], 64,
                                  batch_on_model=layout in BATCH_ON_MODEL)
-        par.specs = assign_specs({v.path: tuple(v.shape) for v in plain.weights}, par.rules, par.mesh_shape)
-        par._converter(plain)
-        placed = placement(cost, layout, par.mesh_shape)
-        assert {p.name: p.split_output for p in placed} == par._split_outputs
-        assert {p.name: p.rows_split for p in placed} == par._rows_on_model
-        assert any(p.rows_split for p in placed) == (layout in BATCH_ON_MODEL)
+        model = par.build_model(lambda: build_model("alexnet", (64, 64, 3), 1000))
+        placed = {p.name: p for p in placement(cost, layout, par.mesh_shape)}
+        for layer in model.layers:
+            assert type(layer).__name__ == (placed[layer.name].role or type(layer).__name__), (layout, layer.name)
+            assert placed[layer.name].role in ("", type(layer).__name__)
+        assert any(p.rows_split for p in placed.values()) == (layout in BATCH_ON_MODEL)
 
 
 def test_plans_that_do_not_fit_are_marked_and_never_recommended(alexnet_cost):

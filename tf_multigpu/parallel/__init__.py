@@ -19,13 +19,13 @@ def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str 
     if strategy in ("single", "data"):
         return DistributeParallelism.create(strategy, devices, global_batch, all_reduce)
     from tf_multigpu.parallel.dtensor_mesh import DTensorParallelism, check_mesh
-    from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, policy_rules
+    from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, check_layout
     local = None
     if runtime is not None:
         devices, local = runtime.all_devices, runtime.local_devices
     shape = mesh_for(strategy, mesh, len(devices))
     check_mesh(strategy, shape, len(devices), len(local) if local else 0)
-    return DTensorParallelism(strategy, devices, shape, policy_rules(layout, layout_rules), global_batch,
+    return DTensorParallelism(strategy, devices, shape, layout, check_layout(layout, layout_rules), global_batch,
                               local_devices=local, batch_on_model=layout in BATCH_ON_MODEL)
 
 

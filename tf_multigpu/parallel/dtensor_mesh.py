@@ -32,12 +32,13 @@ from typing import Callable
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.common.name_scope import current_path   # no public API for the path
 from tensorflow.experimental import dtensor
 
+from tf_multigpu.compat import keras_name_scope_path
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel import split_layers
-from tf_multigpu.parallel.layouts import UNSPLIT, assign_specs
+from tf_multigpu.parallel.layouts import UNSPLIT
+from tf_multigpu.parallel.placement import PlacementPlan, make_plan
 
 U = dtensor.UNSHARDED
 
@@ -45,8 +46,8 @@ U = dtensor.UNSHARDED
 class DTensorParallelism:
     """Runs the single-replica step on the global batch over a batch x model DTensor mesh."""
 
-    def __init__(self, name: str, devices, mesh_shape: dict, rules, global_batch: int, local_devices=None,
-                 batch_on_model: bool = False):
+    def __init__(self, name: str, devices, mesh_shape: dict, layout: str, user_rules, global_batch: int,
+                 local_devices=None, batch_on_model: bool = False):
         if batch_on_model and mesh_shape["batch"] > 1:
             raise UsageError("conv_data_fc_model splits the batch over `model`, and DTensor cannot shard it over "
                              "`batch` too: use mesh batch:1,model:N (--strategy=model)")
@@ -60,7 +61,7 @@ class DTensorParallelism:
         self.name = name
         self.devices = list(devices)
         self.mesh_shape = mesh_shape
-        self.rules = rules
+        self.layout_name, self.user_rules = layout, list(user_rules)
         self.global_batch = global_batch
         self.num_replicas = mesh_shape["batch"]
         dims = [("batch", mesh_shape["batch"]), ("model", mesh_shape["model"])]
@@ -77,10 +78,8 @@ class DTensorParallelism:
         per_client = len(self.local_groups)
         self.input_shard = (self.local_groups[0] // per_client, mesh_shape["batch"] // per_client)
         self.batch_on_model = batch_on_model   # the input's batch sharded on `model` (mesh 1 x N)
-        self.specs = {}          # variable path -> spec, set by build_model
+        self.plan: PlacementPlan | None = None   # set by build_model
         self._by_path = {}       # variable path -> layout (slots look theirs up here)
-        self._split_outputs = {} # layer name -> its output is split on `model` (channels or units)
-        self._rows_on_model = {} # layer name -> it runs on (and outputs) rows sharded on `model`
 
     @property
     def replica_batch(self) -> int:
@@ -96,16 +95,17 @@ class DTensorParallelism:
         for var_path, layout in self._by_path.items():   # an optimizer slot follows its variable
             if name.startswith(var_path.replace("/", "_") + "_") and layout.rank == rank:
                 return layout
-        spec = self.specs.get(path)
+        spec = self.plan.specs.get(path) if self.plan else None
         return self.layout(spec) if spec else dtensor.Layout.replicated(self.mesh, rank)
 
     def _creator(self, next_creator, **kwargs):
         name = kwargs.get("name") or "variable"
-        path = f"{current_path()}/{name}" if current_path() else name
+        scope = keras_name_scope_path()
+        path = f"{scope}/{name}" if scope else name
         initial = kwargs["initial_value"]
         initial = tf.convert_to_tensor(initial() if callable(initial) else initial, dtype=kwargs.get("dtype"))
         layout = self._layout_for(path, name, initial.shape.rank)
-        if path in self.specs:
+        if self.plan and path in self.plan.specs:
             self._by_path[path] = layout
         return dtensor.DVariable(self.put(initial, layout), trainable=kwargs.get("trainable", True), name=name)
 
@@ -133,86 +133,45 @@ class DTensorParallelism:
         flags = dtensor.pack([tf.constant([[1.0 if flag else 0.0]])] * len(self.local_ids), layout)
         return bool(dtensor.unpack(_mesh_max(flags))[0].numpy() > 0)
 
-    def activation_split(self, layer_name: str) -> int:
-        """How many ways a layer's output is split besides the data-parallel groups' batch:
-        on channels or units, or on its rows (conv_data_fc_model, before the batch gather)."""
-        split = self._split_outputs.get(layer_name) or self._rows_on_model.get(layer_name)
-        return self.mesh_shape["model"] if split else 1
-
-    def gradient_group(self, layer_name: str) -> int:
-        """Devices whose gradients of the layer's weights are summed: the data-parallel groups,
-        times the model axis where the layer runs on rows sharded on it."""
-        return self.num_replicas * (self.mesh_shape["model"] if self._rows_on_model.get(layer_name) else 1)
-
     def local_shape(self, variable) -> list:
         """The shape of one device's shard of a variable."""
         return dtensor.unpack(_read(variable))[0].shape.as_list()
 
     # -- the model ---------------------------------------------------------------------------
     def build_model(self, build: Callable[[], keras.Model]) -> keras.Model:
-        """Builds the plain model, then its model-parallel twin with the same initial values."""
+        """Builds the plain model, plans its placement, then builds its model-parallel twin
+        with the same initial values."""
         plain = build()
-        self.specs = assign_specs({v.path: tuple(v.shape) for v in plain.weights}, self.rules, self.mesh_shape)
-        convert = self._converter(plain)
+        self.plan = make_plan(plain, self.layout_name, self.user_rules, self.mesh_shape, self.batch_on_model)
         try:
             with self.scope():
-                model = keras.models.clone_model(plain, clone_function=convert)
+                model = keras.models.clone_model(plain, clone_function=self._converter(), recursive=True)
+        except UsageError:
+            raise
         except ValueError as e:
             raise UsageError(f"model parallelism needs a Sequential or functional Keras model ({e})") from None
         # Same initial values as the plain model (hence as every other strategy). The weights
         # pair up by path; the dropout RNG states (no stable path: clones renumber them) by order.
         for var, value in zip(model.variables, plain.variables):
-            if var.path in self.specs and var.path != value.path:
+            if var.path in self.plan.specs and var.path != value.path:
                 raise AssertionError(f"cloned model's variables are out of order: {var.path} vs {value.path}")
             var.assign(self.put(value, self._layout_for(var.path, var.name, len(var.shape))))
         return model
 
-    def _split_on_model(self, path: str) -> bool:
-        return "model" in self.specs.get(path, ())
-
-    def _converter(self, plain: keras.Model):
-        """clone_function: stock layer -> its split-aware twin, wherever the policy needs one.
-
-        Walks the layers in order, tracking whether the activations reaching each layer are
-        split on `model` (after a split conv or dense, until something gathers them), and
-        whether their rows are (from the input, with batch_on_model, until something gathers).
-        """
-        plan, split_input, seen_weights, rows = {}, False, False, self.batch_on_model
-        for layer in plain.layers:
-            kernel_path = f"{plain.name}/{layer.name}/kernel"
-            cls = None
-            if isinstance(layer, keras.layers.Conv2D) and type(layer) is keras.layers.Conv2D:
-                if self._split_on_model(kernel_path):
-                    cls, split_output = split_layers.SplitConv2D, True
-                else:
-                    cls, split_output = (split_layers.GatherConv2D if split_input else None), False
-            elif type(layer) is keras.layers.Dense:
-                cls = split_layers.GatherDense if (split_input or self._split_on_model(kernel_path)) else None
-                split_output = self._split_on_model(kernel_path)
-            elif type(layer) is keras.layers.MaxPooling2D and split_input:
-                cls, split_output = split_layers.SlicePool2D, True
-            elif type(layer) is keras.layers.Flatten and split_input:
-                cls, split_output = split_layers.GatherFlatten, False
-            elif layer.weights and split_input:
-                raise UsageError(f"layer {layer.name} ({type(layer).__name__}) receives activations split on "
-                                 "'model' and has no split-aware version: replicate the layer before it")
-            else:
-                split_output = split_input
-            plan[layer.name] = (cls, not seen_weights)
-            self._split_outputs[layer.name] = split_output
-            rows = rows and not hasattr(cls, "_gather")   # a split_layers layer gathers its input whole
-            self._rows_on_model[layer.name] = rows
-            split_input = split_output
-            seen_weights = seen_weights or bool(layer.weights)
+    def _converter(self):
+        """clone_function: each layer as the plan says, its stock class or a split-aware twin."""
+        plan = self.plan
 
         def convert(layer):
-            cls, first = plan.get(layer.name, (None, False))
-            if cls is None:
+            if isinstance(layer, keras.Model):   # nested models are cloned layer by layer (recursive)
+                return layer
+            placed = plan[layer.name]
+            if not placed.impl:
                 return layer.__class__.from_config(layer.get_config())
-            new = cls.from_config(layer.get_config())
+            new = _implementation(placed.impl, type(layer)).from_config(layer.get_config())
             new.mesh = self.mesh
-            if cls is split_layers.SplitConv2D:
-                new.need_input_grad = not first   # nothing upstream to send a gradient to
+            if placed.kernel_split:
+                new.need_input_grad = placed.needs_input_grad   # nothing upstream to send a gradient to
             return new
 
         return convert
@@ -249,6 +208,18 @@ class DTensorParallelism:
             return {k: dtensor.unpack(v)[0] for k, v in totals.items()}
 
         return run
+
+
+def _implementation(name: str, stock: type) -> type:
+    """The split-aware class the plan names: one of `split_layers`, or, for a weightless
+    layer that needs its whole input ("Gather<Class>"), the stock class after a named gather."""
+    cls = getattr(split_layers, name, None)
+    if cls is not None:
+        return cls
+    if name == f"Gather{stock.__name__}" and issubclass(stock, keras.layers.Layer):
+        return type(name, (split_layers.GatherFirst, stock), {})
+    raise UsageError(f"the placement plan asks for {name}, which this version does not have: "
+                     "replicate the layer before it (--layout=fc_only or a --layout_rules rule)")
 
 
 @tf.function

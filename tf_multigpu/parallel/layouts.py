@@ -1,28 +1,32 @@
-"""Model-parallel placement as data: (variable-path regex, sharding spec) rules.
+"""Model-parallel placement as data: built-in policies by layer type, or user rules by path.
 
 A spec names, per dimension of a variable, the mesh axis it is split on ("model") or "-" for
-unsplit. Variable paths are Keras paths such as `alexnet/conv2/kernel`. Built-in policies:
+unsplit. Built-in policies select layers by what they ARE (their Keras class), never by what
+they happen to be called:
 
-  filter_split  every conv kernel split on output channels (filters), hidden dense kernels on
+  filter_split  every Conv2D kernel split on output channels (filters) and every Dense on
                 units, biases with them: the paper's model parallelism.
-  fc_only       convolutions replicated, hidden dense layers split on units. On a B x M mesh
-                the convolutions run data parallel over the B groups only and redundantly
-                on the M devices of each group (each computes its group's whole batch).
+  fc_only       convolutions replicated, Dense layers split on units. On a B x M mesh the
+                convolutions run data parallel over the B groups only and redundantly on the
+                M devices of each group (each computes its group's whole batch).
   conv_data_fc_model
-                Krizhevsky 2014's "one weird trick": the same rules as fc_only, and the input
+                Krizhevsky 2014's "one weird trick": the same variables as fc_only, and the input
                 batch split over `model` too (BATCH_ON_MODEL), so the convolutions run data
                 parallel over all N devices (their gradients all-reduced over N); the first
-                split dense layer all-gathers the batch, and the dense layers run model
+                split Dense layer all-gathers the batch, and the Dense layers run model
                 parallel over N. Mesh batch:1,model:N only: DTensor shards a tensor
                 dimension over one mesh axis, so the batch cannot be split over both.
 
-The classifier (`logits`) is split on classes where the class count divides by the model
-axis (1000 for ImageNet) and replicated where it does not (10 digits on 4 devices): its rules
-end in "?", which only built-in policies use, and the choice is reported in the run's log.
+The classifier (the Dense layer producing the logits) is split on classes where the class
+count divides by the model axis (1000 for ImageNet) and replicated where it does not (10
+digits on 4 devices): its rules end in "?", which only built-in policies use.
 
-The first matching rule wins; variables no rule matches are replicated. A rule that matches
-no variable, a spec of the wrong rank, or a split that does not divide its dimension is an
-error, never a silent no-op.
+Variables of layers that act per channel (BatchNormalization, depthwise and grouped
+convolutions) follow the layout of their input: the placement plan (`placement.py`) splits
+them where their input's channels are split. User rules (`--layout_rules`, path regexes) name
+variable paths such as `alexnet/conv2/kernel`; the first matching rule wins; variables no rule
+matches are replicated. A rule that matches no variable, a spec of the wrong rank, or a split
+that does not divide its dimension is an error, never a silent no-op.
 """
 
 from __future__ import annotations
@@ -34,24 +38,13 @@ from tf_multigpu.errors import UsageError
 UNSPLIT = "-"
 AXES = ("batch", "model")
 
-POLICIES = {
-    "filter_split": [
-        (r".*conv[^/]*/kernel", "-,-,-,model"),
-        (r".*conv[^/]*/bias", "model"),
-        (r".*(fc|dense)[^/]*/kernel", "-,model"),
-        (r".*(fc|dense)[^/]*/bias", "model"),
-        (r".*logits/kernel", "-,model?"),
-        (r".*logits/bias", "model?"),
-    ],
-    "fc_only": [
-        (r".*(fc|dense)[^/]*/kernel", "-,model"),
-        (r".*(fc|dense)[^/]*/bias", "model"),
-        (r".*logits/kernel", "-,model?"),
-        (r".*logits/bias", "model?"),
-    ],
+# policy -> the Keras layer classes (names in keras.layers) whose kernels it splits on outputs
+SPLIT_TYPES = {
+    "filter_split": ("Conv2D", "Dense"),
+    "fc_only": ("Dense",),
+    "conv_data_fc_model": ("Dense",),   # what differs from fc_only is the input, split over `model`
 }
-# Same variables as fc_only; what differs is the input, whose batch is split over `model`.
-POLICIES["conv_data_fc_model"] = POLICIES["fc_only"]
+POLICIES = tuple(SPLIT_TYPES)
 BATCH_ON_MODEL = ("conv_data_fc_model",)   # layouts that shard the input batch over `model`
 
 
@@ -73,14 +66,14 @@ def parse_rules(text: str) -> list[tuple[str, str]]:
     return rules
 
 
-def policy_rules(layout: str, layout_rules: str = "") -> list[tuple[str, str]]:
-    """The rules for --layout (a built-in name), or --layout_rules when given."""
+def check_layout(layout: str, layout_rules: str = "") -> list[tuple[str, str]]:
+    """The user's rules for --layout_rules (parsed), or [] for a valid built-in --layout."""
     if layout_rules:
         return parse_rules(layout_rules)
-    if layout not in POLICIES:
+    if layout not in SPLIT_TYPES:
         raise UsageError(f"unknown --layout={layout!r}: choose one of {', '.join(POLICIES)}, "
                          "or give --layout_rules='REGEX=SPEC;...'")
-    return POLICIES[layout]
+    return []
 
 
 def assign_specs(variables: dict, rules, mesh_shape: dict) -> dict:

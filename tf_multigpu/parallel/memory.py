@@ -1,27 +1,81 @@
-"""Bytes per device of parameters, gradients, optimizer slots and activations (RQ5).
+"""Bytes one device holds during a training step (RQ5): one function, read by the run's report,
+`--device_memory_limit`, `tools/max_batch.py` and the planner alike.
 
-Counted from each device's own shard shapes (DTensor's local shapes, the full shapes for
-mirrored or single-device variables), so they show what splitting saves. Activations are the
-outputs of every layer for one step's share of the batch, as kept for the backward pass:
-a model-level estimate (the runtime may fuse or free some), the same for every strategy.
+Counted from the placement plan, per device:
+  parameters, gradients   this device's shards (a split variable holds 1/M);
+  optimizer_slots         one momentum buffer per trainable shard (0 with plain SGD);
+  activations             what each layer's implementation keeps for the backward pass, for
+                          the device's share of its group's batch:
+                            - its output, at its layout's share (1/M where split on `model`,
+                              whole where replicated: the replication on `model` is counted);
+                            - a gathered input (SplitConv2D and every Gather* layer after a
+                              split one): a new, whole tensor, saved for the weight gradient;
+                            - Dropout's mask and BatchNormalization's normalised input, each
+                              the size of the output;
+                          SplitConv2D keeps its (gathered) input, never a patch matrix;
+  input                   the input batch (1/M of it under conv_data_fc_model);
+  transient               the largest working set of one layer's backward beyond the above:
+                          its input gradient (whole where the input is gathered) and its output
+                          gradient at once.
+A model-level estimate: the runtime may fuse or free some tensors early and adds its own
+workspace; `summary.json` sets the measured peak beside it.
 """
 
+from __future__ import annotations
+
+import keras
 import numpy as np
 
+from tf_multigpu.parallel.placement import BYTES_PER_VALUE, PlacementPlan
 
-def bytes_per_device(model, optimizer, par) -> dict:
-    """{"parameters", "gradients", "optimizer_slots", "activations", "total"} in bytes."""
+# Layers whose backward keeps a second tensor the size of their output.
+_SAVES_OUTPUT_SIZED = (keras.layers.Dropout, keras.layers.BatchNormalization)
 
-    def nbytes(variable):
-        return int(np.prod(par.local_shape(variable))) * np.dtype(variable.dtype).itemsize
 
-    params = sum(nbytes(v) for v in model.weights)
-    grads = sum(nbytes(v) for v in model.trainable_weights)
-    slots = sum(nbytes(v) for v in optimizer.variables if len(v.shape))   # not the step counter
-    activations = 0
-    for layer in model.layers:
-        per_example = int(np.prod(layer.output.shape[1:]))
-        activations += par.replica_batch * per_example // par.activation_split(layer.name) * 4
-    out = {"parameters": params, "gradients": grads, "optimizer_slots": slots, "activations": activations}
+def saved_elems(plan: PlacementPlan, layer) -> int:
+    """Values per example of the group batch that `layer` keeps on one device for the backward."""
+    node = layer.node
+    if not node.inputs:   # the input batch: counted on its own
+        return 0
+    out = node.out_elems // plan.share(layer.out_layout)
+    kept = out
+    if layer.gathers:
+        kept += node.in_elems
+    if issubclass(node.cls, _SAVES_OUTPUT_SIZED):
+        kept += out
+    return kept
+
+
+def transient_elems(plan: PlacementPlan, layer) -> int:
+    """Values per example alive at once in the layer's backward beyond what is kept: its
+    output's gradient and its input's gradient (whole where the input was gathered)."""
+    node = layer.node
+    if not node.inputs:
+        return 0
+    dx = node.in_elems if layer.gathers else sum(
+        int(np.prod(s)) // plan.share(lay) for s, lay in zip(node.in_shapes, layer.in_layouts))
+    return node.out_elems // plan.share(layer.out_layout) + dx
+
+
+def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter: int = 1) -> dict:
+    """{"parameters", "gradients", "optimizer_slots", "activations", "input", "transient",
+    "total"} in bytes, for one device of a step on `global_batch` examples."""
+    group_batch = global_batch // plan.mesh["batch"]
+    params = grads = 0
+    for layer in plan.layers:
+        for path, shape in layer.node.weights.items():
+            local = plan.local_elems(path, shape)
+            params += local
+            grads += local if path in layer.node.trainable else 0
+    activations = transient = 0
+    for layer in plan.layers:
+        activations += saved_elems(plan, layer) * group_batch
+        transient = max(transient, transient_elems(plan, layer) * group_batch)
+    first = plan.layers[0]
+    out = {"parameters": params * BYTES_PER_VALUE, "gradients": grads * BYTES_PER_VALUE,
+           "optimizer_slots": grads * slots_per_parameter * BYTES_PER_VALUE,
+           "activations": activations * BYTES_PER_VALUE,
+           "input": first.node.out_elems * group_batch // plan.share(first.out_layout) * BYTES_PER_VALUE,
+           "transient": transient * BYTES_PER_VALUE}
     out["total"] = sum(out.values())
     return out

@@ -44,6 +44,13 @@ class _Gathers:
         return gather_model_axis(x, self.mesh, self.name)
 
 
+class GatherFirst(_Gathers):
+    """Mixin for any layer that needs its whole input: gathers it, then runs the layer."""
+
+    def call(self, inputs, *args, **kwargs):
+        return super().call(self._gather(inputs), *args, **kwargs)
+
+
 class SplitConv2D(_Gathers, keras.layers.Conv2D):
     """Conv2D whose kernel DTensor may shard on output channels (the input is gathered)."""
 

@@ -16,6 +16,7 @@ from typing import Callable
 import tensorflow as tf
 
 from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.placement import make_plan
 
 _SUM = tf.distribute.ReduceOp.SUM
 
@@ -59,6 +60,7 @@ class DistributeParallelism:
         # (i, n): this process reads the i-th of n equal row slices of every global batch.
         self.input_shard = input_shard
         self.spans_workers = input_shard[1] > 1
+        self.plan = None   # set by build_model
 
     @classmethod
     def create(cls, name: str, devices, global_batch: int, all_reduce: str = "auto"):
@@ -87,10 +89,18 @@ class DistributeParallelism:
         """Variables (model, optimizer slots) created here are mirrored on every device."""
         return self.strategy.scope()
 
+    @property
+    def mesh_shape(self) -> dict:
+        """As a mesh: every replica is a batch group of one device."""
+        return {"batch": self.num_replicas, "model": 1}
+
     def build_model(self, build: Callable):
-        """Builds the model with its variables mirrored on every device."""
+        """Builds the model with its variables mirrored on every device, and its (replicated)
+        placement plan."""
         with self.scope():
-            return build()
+            model = build()
+        self.plan = make_plan(model, "", [], self.mesh_shape)
+        return model
 
     @property
     def replica_batch(self) -> int:
@@ -123,14 +133,6 @@ class DistributeParallelism:
     def local_shape(self, variable) -> list:
         """Every device holds the whole variable."""
         return list(variable.shape)
-
-    def activation_split(self, layer_name: str) -> int:
-        """Activations are split on the batch only."""
-        return 1
-
-    def gradient_group(self, layer_name: str) -> int:
-        """Every replica's gradients are summed."""
-        return self.num_replicas
 
     def to_numpy(self, variable):
         """The value of a (mirrored) variable, as one array."""

@@ -23,9 +23,10 @@ DeviceProfile:
   ring collectives: all-reduce 2(n-1)/n x bytes / bandwidth + 2(n-1) x latency; all-gather
                 (n-1)/n x bytes / bandwidth + (n-1) x latency (n devices on the axis).
   step time   = compute + activations + (1 - grad_overlap) x gradients.
-  memory      = parameters + gradients + momentum slot (this device's shards) + activations
-                kept for the backward (+ split-conv patches) + the input batch; it fits if
-                <= `memory_fraction` x the device's memory.
+  memory      = `parallel/memory.py`'s estimate, the one the run's summary reports:
+                parameters + gradients + momentum slot (this device's shards) + what each
+                layer's implementation keeps for the backward + the input batch + the largest
+                transient; it fits if <= `memory_fraction` x the device's memory.
 
 The binding resource is memory for a plan that does not fit, else the larger of compute and
 exposed communication. Plans that do not fit are ranked after every plan that does and are
@@ -38,7 +39,7 @@ import dataclasses
 
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES
-from tf_multigpu.planner.cost_model import BYTES_PER_VALUE, ModelCost, placement
+from tf_multigpu.planner.cost_model import BYTES_PER_VALUE, ModelCost, memory_per_device, placement
 from tf_multigpu.planner.device_profile import DeviceProfile
 
 
@@ -154,11 +155,7 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
         grad_s = sum(_ring("all_reduce", g, p.grad_bytes, profile) for g, p in zip(groups, layers))
     grad_bytes = sum(2 * (g - 1) / g * p.grad_bytes for g, p in zip(groups, layers))
     step = compute + act_s + (1 - assumptions.grad_overlap) * grad_s
-    params = sum(p.param_bytes for p in layers)
-    memory = {"parameters": params, "gradients": grads, "optimizer_slots": grads,
-              "activations": sum(p.activation_bytes for p in layers) * group_batch
-              + cost.input_elems * group_batch // (m if layout in BATCH_ON_MODEL else 1) * BYTES_PER_VALUE}
-    memory["total"] = sum(memory.values())
+    memory = memory_per_device(cost, layout or None, {"batch": b, "model": m}, global_batch)
     fits = memory["total"] <= assumptions.memory_fraction * profile.memory_bytes
     exposed = act_s + (1 - assumptions.grad_overlap) * grad_s
     binding = "memory" if not fits else ("compute" if compute >= exposed else "communication")

@@ -2,7 +2,7 @@
 
 With B data-parallel groups and M devices per group (data: B = N, M = 1; model: B = 1, M = N):
 - gradients: every parameter shard is summed over the g devices that share its layer's
-  input rows (`par.gradient_group`: the B groups; all N devices for conv_data_fc_model's
+  input rows (the plan's gradient group: the B groups; all N devices for conv_data_fc_model's
   data-parallel convolutions); a ring all-reduce moves 2(g-1)/g of the shard's bytes per
   device (the bandwidth-optimal all-reduce).
 - activations: where a layer needs the whole of an input that the layer before split over
@@ -17,45 +17,34 @@ With B data-parallel groups and M devices per group (data: B = N, M = 1; model: 
 
 from __future__ import annotations
 
-import numpy as np
+from tf_multigpu.parallel.placement import BYTES_PER_VALUE, WHOLE, PlacementPlan
 
 
-def minimum_bytes(model, par) -> dict:
-    """{"gradients", "parameters", "activations", "forward_activation_payload"} per device.
+def minimum_bytes(plan: PlacementPlan, global_batch: int) -> dict:
+    """{"gradients", "parameters", "activations", "forward_activation_payload"} per device, read
+    from the placement plan.
 
     `forward_activation_payload` is the size of the activations gathered forward (before
     any algorithm factor): what the measured forward all-gathers must add up to.
     """
-    per_group = getattr(par, "mesh_shape", {}).get("model", 1)
+    group_batch = global_batch // plan.mesh["batch"]
+    m = plan.mesh["model"]
     out = {"gradients": 0.0, "parameters": 0.0, "activations": 0.0, "forward_activation_payload": 0}
-    for layer in model.layers:
-        group = par.gradient_group(layer.name)
-        grads = sum(int(np.prod(par.local_shape(v))) * np.dtype(v.dtype).itemsize for v in layer.trainable_variables)
+    for layer in plan.layers:
+        group = plan.gradient_group(layer)
+        grads = sum(plan.local_elems(p, layer.node.weights[p]) for p in layer.node.trainable) * BYTES_PER_VALUE
         out["gradients"] += grads * 2 * (group - 1) / group
-    if per_group == 1:
+    if m == 1:
         return out
-    share = (per_group - 1) / per_group
-    seen_weights = False
-    for layer in model.layers:
-        producer = _producer(layer)
-        split_input = producer is not None and par.activation_split(producer) > 1
-        # A weighted layer whose output is split (on units; rows are split only where the
-        # input's are, which the first test below catches) has a split kernel.
-        split_kernel = bool(layer.weights) and par.activation_split(layer.name) > 1
-        input_bytes = par.replica_batch * int(np.prod(layer.input.shape[1:])) * 4 if producer else 0
-        if split_input and hasattr(layer, "_gather"):   # a split_layers layer that gathers its input
-            out["activations"] += 2 * share * input_bytes   # all-gather forward, reduce-scatter backward
-            out["forward_activation_payload"] += input_bytes
-        elif split_kernel and not split_input and seen_weights:
-            out["activations"] += 2 * share * input_bytes   # partial input gradients, all-reduced
-        seen_weights = seen_weights or bool(layer.weights)
+    share = (m - 1) / m
+    for layer in plan.layers:
+        split_input = any(lay != WHOLE for lay in layer.in_layouts)
+        gathered = sum(c.elems_per_example for c in layer.collectives if c.op == "all_gather")
+        if layer.gathers:   # all-gather forward, reduce-scatter backward
+            nbytes = group_batch * gathered * BYTES_PER_VALUE
+            out["activations"] += 2 * share * nbytes
+            out["forward_activation_payload"] += nbytes
+        elif layer.kernel_split and not split_input and layer.needs_input_grad:
+            # partial input gradients, all-reduced
+            out["activations"] += 2 * share * group_batch * layer.node.in_elems * BYTES_PER_VALUE
     return out
-
-
-def _producer(layer) -> str | None:
-    """Name of the layer whose output feeds `layer` (None for the model's input)."""
-    try:
-        operation = layer.input._keras_history[0]
-    except (AttributeError, ValueError, IndexError):
-        return None
-    return None if type(operation).__name__ == "InputLayer" else operation.name

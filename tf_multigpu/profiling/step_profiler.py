@@ -70,7 +70,7 @@ class StepProfiler:
         """After the last profiled step: builds and writes the report (None if not reached)."""
         if self.report is not None or step < self.last:
             return self.report
-        minimum = analytic.minimum_bytes(self.model, self.par)
+        minimum = analytic.minimum_bytes(self.par.plan, self.par.global_batch)
         self.report = report.build(self.meta, self.collectives or [], minimum, xspace.latest_trace(self.logdir))
         report.write(self.report, self.report_prefix, writer, step)
         return self.report

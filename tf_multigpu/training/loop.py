@@ -59,7 +59,7 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     start = int(optimizer.iterations.numpy())
     profiler = _profiler(cfg, paths, par, model, start, total_steps)
 
-    memory = bytes_per_device(model, optimizer, par)
+    memory = bytes_per_device(par.plan, cfg.batch_size, slots_per_parameter=1 if cfg.momentum else 0)
     _check_fits(cfg, memory, par)
     # Input is valid and any earlier state restored: from here on the run writes.
     role.write_config(cfg, paths)
@@ -170,8 +170,9 @@ def _check_fits(cfg, memory: dict, par) -> None:
     limit = cfg.device_memory_limit * 2**20
     if not limit or memory["total"] <= limit:
         return
-    per_example = memory["activations"] / par.replica_batch
-    fits = int((limit - (memory["total"] - memory["activations"])) // per_example) * par.num_replicas
+    with_batch = memory["activations"] + memory["input"] + memory["transient"]   # grow with the batch
+    per_example = with_batch / par.replica_batch
+    fits = int((limit - (memory["total"] - with_batch)) // per_example) * par.num_replicas
     hint = (f"use --batch_size<={fits}" if fits >= par.num_replicas
             else "even one example per device does not fit")
     raise DoesNotFit(f"--strategy={par.name} --batch_size={cfg.batch_size} needs about "
@@ -184,7 +185,7 @@ def _profiler(cfg, paths, par, model, start, total_steps):
     if not cfg.profile_steps:
         return None
     profiler = StepProfiler(cfg.profile_steps, paths.tensorboard, paths.comm_report, par, model, meta={
-        "strategy": par.name, "devices": par.devices, "mesh": getattr(par, "mesh_shape", None),
+        "strategy": par.name, "devices": par.devices, "mesh": par.mesh_shape,
         "global_batch": cfg.batch_size, "model": cfg.model})
     if profiler.last > total_steps:
         raise UsageError(f"--profile_steps={cfg.profile_steps} goes past the last step ({total_steps}): "

@@ -99,7 +99,7 @@ def _time_ours(run, devices) -> dict:
     par = make_parallelism(run.strategy, devices, run.batch, mesh=run.mesh)
     cfg.check_devices(par.num_replicas)
     model, optimizer = build_model_and_optimizer(cfg, par, source, total)
-    memory = bytes_per_device(model, optimizer, par)
+    memory = bytes_per_device(par.plan, run.batch)
     iterator = iter(par.distribute(make))
     step = par.compile(make_train_step(model, optimizer, run.batch, jit_compile=run.xla))
     one = tf.constant(1)

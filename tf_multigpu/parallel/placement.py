@@ -1,0 +1,376 @@
+"""One placement plan: how every tensor of a model is laid out on a `batch x model` mesh,
+which implementation every layer runs, and what each layer communicates.
+
+It is computed once, from the model's functional graph (branches, merges and nested
+functional or Sequential models included), and everything that needs placement reads it:
+the DTensor converter (which layer class to swap in, which layout each variable gets), the
+planner's cost model, the communication report's analytic minimum and the memory estimate.
+No other module walks the layers to decide placement.
+
+Layouts of activations. Every activation is sharded on its rows over the mesh's `batch` axis
+(the data-parallel groups); on the `model` axis it is one of
+  WHOLE     replicated on the M devices of a group;
+  CHANNELS  its last dimension (conv channels, dense units) split M ways;
+  ROWS      its rows split M ways too (conv_data_fc_model: the input batch over `model`).
+
+Implementations. A layer runs its stock Keras class, or a split-aware twin from
+`split_layers` (same weights, names and config):
+  SplitConv2D      kernel split on output channels; gathers a split input first
+  Gather<Layer>    any layer that needs its whole input after a split one: one named
+                   all-gather over `model`, then the stock layer
+  SlicePool2D, SliceAvgPool2D, SplitDepthwiseConv2D, SplitGroupedConv2D, SplitMerge
+                   run on CHANNELS without communication
+  stock            BatchNormalization (per-channel statistics: its variables follow the
+                   channels), elementwise layers, global pooling, and anything on WHOLE/ROWS.
+
+Communication per step (what DTensor runs; BUILD_NOTES.md has the lowered graphs):
+  forward   one all-gather over `model` of a split input before a layer that needs it whole,
+            and of split logits for the loss;
+  backward  one all-reduce over `model`, at the input's size, for every layer whose kernel is
+            split on its output (its input gradient sums over the split channels), except
+            where nothing upstream has weights (no input gradient is computed);
+  gradients every trainable variable's gradient is summed over the devices that saw
+            different rows: the B groups, times M for layers on ROWS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import keras
+import numpy as np
+
+from tf_multigpu.compat import inbound_layer_names, producer_name
+from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.layouts import UNSPLIT, assign_specs
+
+WHOLE, CHANNELS, ROWS = "whole", "channels", "rows"
+BYTES_PER_VALUE = 4   # float32 activations, parameters, gradients and slots
+
+L = keras.layers
+# Layers that act on each value (or each channel, or each pixel) alone: a channel split
+# passes through them untouched, with no communication.
+ELEMENTWISE = (L.Activation, L.ReLU, L.LeakyReLU, L.ELU, L.Rescaling, L.Dropout, L.SpatialDropout2D,
+               L.GaussianNoise, L.GaussianDropout, L.ZeroPadding2D, L.Cropping2D, L.Identity,
+               L.BatchNormalization, L.GlobalAveragePooling2D, L.GlobalMaxPooling2D)
+_NOT_PER_CHANNEL_ACTIVATIONS = ("softmax", "log_softmax")
+MERGES = (L.Add, L.Subtract, L.Multiply, L.Average, L.Maximum, L.Minimum)
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One layer of the (flattened) functional graph, with what placement needs of it."""
+
+    name: str
+    cls: type                  # the stock Keras class
+    inputs: tuple              # producer names; "" for a model input
+    in_shapes: tuple           # per input, per example
+    out_shape: tuple           # per example
+    weights: dict              # variable path -> shape
+    trainable: tuple           # paths of the trainable weights
+    config: dict = dataclasses.field(compare=False, repr=False, default_factory=dict)
+
+    @property
+    def in_elems(self) -> int:
+        return sum(int(np.prod(s)) for s in self.in_shapes)
+
+    @property
+    def out_elems(self) -> int:
+        return int(np.prod(self.out_shape))
+
+    def weight(self, name: str) -> str:
+        """The path of this layer's variable `name` (kernel, bias, gamma...), or ""."""
+        return next((p for p in self.weights if p.rsplit("/", 1)[-1] == name), "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective per step over mesh axis `axis`, of `elems_per_example` values per example
+    of the group batch (activations)."""
+
+    op: str          # all_gather | all_reduce
+    axis: str        # batch | model
+    layer: str
+    phase: str       # forward | backward
+    elems_per_example: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What one layer does on every device of a group."""
+
+    node: Node
+    impl: str                  # "" for the stock class, else a split_layers class name
+    in_layouts: tuple
+    out_layout: str
+    gathers: bool              # gathers its input whole first (a new, saved tensor where it was split)
+    kernel_split: bool         # its kernel is split on outputs: its input gradient is all-reduced
+    needs_input_grad: bool     # something upstream has weights
+    collectives: tuple = ()
+    merge_layout: str = ""     # merges: the layout every operand is brought to
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    @property
+    def rows(self) -> bool:
+        """Runs on rows split over `model` (conv_data_fc_model before the batch gather)."""
+        return self.out_layout == ROWS
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementPlan:
+    """The placement of every layer and variable of one model on one mesh."""
+
+    model: str
+    mesh: dict                 # {"batch": B, "model": M}
+    layout: str                # the policy name ("" for a replicated model)
+    layers: tuple              # LayerPlan, in topological order
+    specs: dict                # variable path -> spec (one mesh axis or '-' per dimension)
+    output_layout: str         # the logits' layout (CHANNELS: gathered for the loss)
+    num_classes: int
+
+    def __getitem__(self, name: str) -> LayerPlan:
+        return self._by_name[name]
+
+    @property
+    def _by_name(self) -> dict:
+        return {p.name: p for p in self.layers}
+
+    def split_on_model(self, path: str) -> bool:
+        return "model" in self.specs.get(path, ())
+
+    def local_elems(self, path: str, shape) -> int:
+        """Values of variable `path` that one device holds."""
+        spec = self.specs.get(path, ())
+        share = int(np.prod([self.mesh[a] for a in spec if a != UNSPLIT])) if spec else 1
+        return int(np.prod(shape)) // share
+
+    def gradient_group(self, layer: LayerPlan) -> int:
+        """Devices whose gradients of the layer's weights are summed."""
+        return self.mesh["batch"] * (self.mesh["model"] if layer.rows else 1)
+
+    def share(self, layout: str) -> int:
+        """How many ways a tensor of this layout is split on the model axis."""
+        return 1 if layout == WHOLE else self.mesh["model"]
+
+    @property
+    def collectives(self) -> tuple:
+        """Every activation collective of a step, the loss's logits gather included."""
+        out = tuple(c for p in self.layers for c in p.collectives)
+        if self.output_layout == CHANNELS:
+            out += (Collective("all_gather", "model", "loss", "forward", self.num_classes),)
+        return out
+
+
+def model_graph(model: keras.Model) -> tuple:
+    """The model's layers as Nodes in topological order; nested models are flattened (their
+    inputs wired to the outer producers, their name standing for the layer of their output)."""
+    nodes, alias = [], {}
+
+    def walk(m, outer_inputs):
+        for k, tensor in enumerate(m.inputs):
+            name = producer_name(tensor)
+            if outer_inputs is None:
+                nodes.append(Node(name, L.InputLayer, (), (), tuple(tensor.shape[1:]), {}, ()))
+            else:
+                alias[name] = outer_inputs[k]
+        for layer in m.layers:
+            if isinstance(layer, L.InputLayer):
+                continue
+            calls = inbound_layer_names(layer)
+            if len(calls) > 1:
+                raise UsageError(f"layer {layer.name} ({type(layer).__name__}) is called {len(calls)} times: model "
+                                 "parallelism places each layer once; give each call its own layer")
+            producers = tuple(alias.get(p, p) for p in (calls[0] if calls else ()))
+            if isinstance(layer, keras.Model):
+                if len(layer.outputs) != 1:
+                    raise UsageError(f"nested model {layer.name} has {len(layer.outputs)} outputs: model "
+                                     "parallelism flattens nested models with one output")
+                walk(layer, producers)
+                alias[layer.name] = alias.get(producer_name(layer.outputs[0]), producer_name(layer.outputs[0]))
+                continue
+            ins = layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]
+            nodes.append(Node(layer.name, type(layer), producers,
+                              tuple(tuple(t.shape[1:]) for t in ins), tuple(layer.output.shape[1:]),
+                              {v.path: tuple(v.shape) for v in layer.weights},
+                              tuple(v.path for v in layer.trainable_weights), layer.get_config()))
+
+    walk(model, None)
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise UsageError(f"{model.name} has layers of the same name in nested models: give them unique names")
+    return tuple(nodes)
+
+
+def _is(node: Node, *classes) -> bool:
+    """Exactly one of the stock classes: a user's subclass may change what `call` does, so it
+    is never swapped for a split-aware twin."""
+    return node.cls in classes
+
+
+def _classifier(nodes: tuple) -> str:
+    """The Dense layer producing the logits (through weightless elementwise layers only), or ""."""
+    by_name = {n.name: n for n in nodes}
+    node = nodes[-1]
+    while node.cls is not L.Dense and issubclass(node.cls, ELEMENTWISE) and not node.weights and node.inputs:
+        node = by_name[node.inputs[0]]
+    return node.name if node.cls is L.Dense else ""
+
+
+def policy_rules(nodes: tuple, policy: str, model_name: str) -> list:
+    """A built-in policy as exact-path rules, chosen by what each layer is (never by its name):
+    filter_split splits every Conv2D on output channels (grouped ones by whole groups) and every
+    Dense on units; fc_only and conv_data_fc_model every Dense. The classifier is split where
+    its class count divides the model axis (rules ending in "?") and replicated where not."""
+    from tf_multigpu.parallel.layouts import SPLIT_TYPES
+    types = tuple(getattr(L, t) for t in SPLIT_TYPES[policy])
+    classifier = _classifier(nodes)
+    rules = []
+    for node in nodes:
+        if not _is(node, *types):
+            continue
+        kernel, bias = node.weight("kernel"), node.weight("bias")
+        optional = "?" if node.name == classifier else ""
+        rank = len(node.weights[kernel])
+        rules.append((re.escape(kernel), ",".join([UNSPLIT] * (rank - 1) + ["model"]) + optional))
+        if bias:
+            rules.append((re.escape(bias), "model" + optional))
+    if not rules:
+        raise UsageError(f"--layout={policy} splits {' and '.join(SPLIT_TYPES[policy])} layers and {model_name} has "
+                         f"none: use --layout=filter_split, or name variables with --layout_rules")
+    return rules
+
+
+def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model: bool = False,
+              nodes: tuple | None = None) -> PlacementPlan:
+    """The placement of `model` (or of its graph `nodes`) under a built-in `layout` (or user
+    `rules`, [(path regex, spec)]) on `mesh`; layout "" is a replicated model (single / data).
+
+    Raises UsageError, naming the layer and the fix, where the model cannot be placed.
+    """
+    nodes = nodes if nodes is not None else model_graph(model)
+    name = model.name if model is not None else "the model"
+    weights = {p: s for n in nodes for p, s in n.weights.items()}
+    if not layout and not rules:
+        specs = {}
+    else:
+        specs = assign_specs(weights, rules if rules else policy_rules(nodes, layout, name), mesh)
+    specs = {p: list(s) for p, s in specs.items()}
+    walker = _Walker(nodes, specs, mesh, batch_on_model)
+    layers = tuple(walker.place(n) for n in nodes)
+    out = layers[-1].out_layout
+    if out == ROWS:
+        raise UsageError(f"{name}'s logits are still split on rows at the end: conv_data_fc_model needs a Dense "
+                         "layer to gather the batch; use --layout=filter_split or fc_only")
+    return PlacementPlan(name, dict(mesh), layout if not rules else "rules", layers, specs, out,
+                         int(nodes[-1].out_shape[-1]))
+
+
+class _Walker:
+    """Decides each layer's implementation and output layout from its inputs' layouts."""
+
+    def __init__(self, nodes, specs, mesh, batch_on_model):
+        self.specs, self.mesh, self.batch_on_model = specs, mesh, batch_on_model
+        self.m = mesh["model"]
+        self.layout, self.upstream_weights = {}, {}
+
+    def split(self, path: str) -> bool:
+        return "model" in self.specs.get(path, ())
+
+    def follow(self, node: Node, dims: dict):
+        """Give `node`'s variables named in `dims` a spec splitting dimension dims[name] on
+        `model` (they follow a channel-split input), unless a rule already placed them."""
+        for var, dim in dims.items():
+            path = node.weight(var)
+            if path and not self.split(path):
+                shape = node.weights[path]
+                if shape[dim] % self.m:
+                    raise UsageError(f"{path} dimension {dim} ({shape[dim]}) follows channels split over {self.m} "
+                                     f"devices but does not divide: change --mesh")
+                self.specs[path] = [("model" if d == dim else UNSPLIT) for d in range(len(shape))]
+
+    def place(self, node: Node) -> LayerPlan:
+        ins = tuple(self.layout[p] for p in node.inputs)
+        needs_dx = any(self.upstream_weights[p] for p in node.inputs)
+        impl, out, gathers, kernel_split, merge = self._decide(node, ins)
+        self.layout[node.name] = out
+        self.upstream_weights[node.name] = needs_dx or bool(node.trainable)
+        collectives = []
+        split_in = [(p, s, lay) for p, s, lay in zip(node.inputs, node.in_shapes, ins) if lay != WHOLE]
+        if gathers and split_in:
+            elems = sum(int(np.prod(s)) for _, s, lay in split_in if merge != CHANNELS or lay == ROWS)
+            collectives.append(Collective("all_gather", "model", node.name, "forward", elems))
+        if kernel_split and needs_dx:
+            collectives.append(Collective("all_reduce", "model", node.name, "backward", node.in_elems))
+        return LayerPlan(node, impl, ins, out, gathers and bool(split_in), kernel_split, needs_dx,
+                         tuple(collectives), merge)
+
+    def _decide(self, node: Node, ins: tuple):
+        """(impl, output layout, gathers, kernel split, merge layout) for one layer."""
+        if not node.inputs:   # a model input
+            return "", (ROWS if self.batch_on_model else WHOLE), False, False, ""
+        x = ins[0]
+        kernel = node.weight("kernel")
+        if _is(node, *MERGES) or _is(node, L.Concatenate):
+            return self._merge(node, ins)
+        if _is(node, L.Conv2D):
+            if node.config.get("groups", 1) > 1:
+                return self._grouped(node, x)
+            if self.split(kernel):
+                return "SplitConv2D", CHANNELS, True, True, ""
+            return ("GatherConv2D", WHOLE, True, False, "") if x == CHANNELS else ("", x, False, False, "")
+        if _is(node, L.Dense):
+            if self.split(kernel):
+                return "GatherDense", CHANNELS, True, True, ""
+            return ("GatherDense", WHOLE, True, False, "") if x == CHANNELS else ("", x, False, False, "")
+        if x != CHANNELS:   # on whole or row-split activations every stock layer runs as it is
+            if any(self.split(p) for p in node.weights):
+                return self._unplaceable(node, "has a split variable but no split-aware version")
+            return "", x, False, False, ""
+        # -- the input is split on channels ------------------------------------------------
+        if _is(node, L.DepthwiseConv2D):
+            self.follow(node, {"kernel": 2, "bias": 0})
+            return "SplitDepthwiseConv2D", CHANNELS, False, False, ""
+        if _is(node, L.BatchNormalization):
+            if node.config.get("axis") not in (-1, len(node.out_shape), [-1], [len(node.out_shape)]):
+                return self._unplaceable(node, f"normalises axis {node.config.get('axis')}, not the split channels")
+            self.follow(node, {"gamma": 0, "beta": 0, "moving_mean": 0, "moving_variance": 0})
+            return "", CHANNELS, False, False, ""
+        if _is(node, L.MaxPooling2D):
+            return "SlicePool2D", CHANNELS, False, False, ""
+        if _is(node, L.AveragePooling2D):
+            return "SliceAvgPool2D", CHANNELS, False, False, ""
+        if _is(node, *ELEMENTWISE) and not (node.cls is L.Activation and
+                                             node.config.get("activation") in _NOT_PER_CHANNEL_ACTIVATIONS):
+            return "", CHANNELS, False, False, ""
+        if node.weights:
+            return self._unplaceable(node, "has weights and no split-aware version")
+        return f"Gather{node.cls.__name__}", WHOLE, True, False, ""   # weightless: gather, then run it
+
+    def _grouped(self, node: Node, x: str):
+        groups = node.config["groups"]
+        kernel = node.weight("kernel")
+        if self.split(kernel) or x == CHANNELS:
+            if groups % self.m:
+                raise UsageError(f"layer {node.name} has {groups} groups, which do not divide by the {self.m} devices "
+                                 "of the model axis: each device must hold whole groups; change --mesh")
+            self.follow(node, {"kernel": 3, "bias": 0})
+            # A whole input is split on channels by a local slice: no communication.
+            return "SplitGroupedConv2D", CHANNELS, False, False, ""
+        return "", x, False, False, ""
+
+    def _merge(self, node: Node, ins: tuple):
+        if len(set(ins)) == 1 and not (node.cls is L.Concatenate and ins[0] == CHANNELS):
+            return "", ins[0], False, False, ""
+        if node.cls is not L.Concatenate and set(ins) <= {WHOLE, CHANNELS}:
+            # Whole operands are sliced to the split channels: local, no communication.
+            return "SplitMerge", CHANNELS, False, False, CHANNELS
+        # Concatenating split channels would interleave the devices' slices: gather first.
+        return "GatherMerge", WHOLE, True, False, WHOLE
+
+    def _unplaceable(self, node: Node, why: str):
+        raise UsageError(f"layer {node.name} ({node.cls.__name__}) receives activations split on 'model' and {why}: "
+                         "replicate the layer before it (a --layout_rules rule, or --layout=fc_only)")
