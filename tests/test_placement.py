@@ -1,0 +1,150 @@
+"""The placement plan on models we did not write: decisions by layer type, layouts through
+branches and merges, nested models, follower variables, and the errors a user gets.
+
+Plans are computed from the plain Keras model (no devices), so these run in seconds."""
+
+import os
+import re
+
+import keras
+import pytest
+
+from tests import user_models
+from tests.conftest import REPO
+from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.memory import bytes_per_device
+from tf_multigpu.parallel.placement import CHANNELS, WHOLE, make_plan
+
+L = keras.layers
+
+
+@pytest.fixture(scope="module")
+def resnet50():
+    return user_models.resnet50((32, 32, 3), 10)
+
+
+@pytest.fixture(scope="module")
+def mobilenet_v2():
+    return user_models.mobilenet_v2((32, 32, 3), 10)
+
+
+def _impls(plan):
+    out = {}
+    for layer in plan.layers:
+        out.setdefault(layer.node.cls.__name__, set()).add(layer.impl)
+    return out
+
+
+def test_resnet50_filter_split_splits_every_conv_and_keeps_bn_on_the_channels(resnet50):
+    plan = make_plan(resnet50, "filter_split", [], {"batch": 1, "model": 2})
+    impls = _impls(plan)
+    assert impls["Conv2D"] == {"SplitConv2D"}
+    assert impls["BatchNormalization"] == {""} and impls["Add"] == {""}   # stock, on split channels
+    assert impls["MaxPooling2D"] == {"SlicePool2D"}
+    for layer in plan.layers:
+        if layer.node.cls is L.BatchNormalization:   # its statistics follow the split channels
+            assert layer.in_layouts == (CHANNELS,) and layer.out_layout == CHANNELS
+            for path in layer.node.weights:
+                assert plan.specs[path] == ["model"], path
+    # the residual merges meet operands of one layout: no relayout, no communication
+    adds = [p for p in plan.layers if p.node.cls is L.Add]
+    assert len(adds) == 16 and all(p.in_layouts == (CHANNELS, CHANNELS) and not p.collectives for p in adds)
+    # 10 classes split 2 ways: the logits are gathered for the loss
+    assert plan.output_layout == CHANNELS and plan.collectives[-1].layer == "loss"
+    # the stem conv sees the image (whole): nothing upstream has weights, no input gradient
+    stem = plan["conv1_conv"]
+    assert stem.in_layouts == (WHOLE,) and not stem.needs_input_grad and not stem.collectives
+
+
+def test_resnet50_fc_only_splits_only_the_classifier(resnet50):
+    plan = make_plan(resnet50, "fc_only", [], {"batch": 2, "model": 2})
+    assert [p for p, s in plan.specs.items() if "model" in s] == ["predictions/kernel", "predictions/bias"]
+    assert _impls(plan)["Conv2D"] == {""}
+
+
+def test_mobilenet_v2_depthwise_convolutions_follow_their_split_input(mobilenet_v2):
+    plan = make_plan(mobilenet_v2, "filter_split", [], {"batch": 1, "model": 4})
+    depthwise = [p for p in plan.layers if p.node.cls is L.DepthwiseConv2D]
+    assert len(depthwise) == 17
+    for layer in depthwise:
+        assert layer.impl == "SplitDepthwiseConv2D" and layer.out_layout == CHANNELS and not layer.collectives
+        kernel = layer.node.weight("kernel")
+        assert plan.specs[kernel] == ["-", "-", "model", "-"]
+    # 10 classes do not split 4 ways: the classifier is replicated and gathers its input
+    assert plan["predictions"].impl == "GatherDense" and plan.output_layout == WHOLE
+    memory = bytes_per_device(plan, 64)
+    single = bytes_per_device(make_plan(mobilenet_v2, "", [], {"batch": 1, "model": 1}), 64)
+    assert memory["parameters"] < single["parameters"] / 3
+
+
+def test_layers_are_chosen_by_type_not_by_name():
+    model = user_models.renamed_convnet((16, 16, 3), 10)
+    plan = make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
+    assert {p: s for p, s in plan.specs.items() if "model" in s} == {
+        "alpha/kernel": ["-", "-", "-", "model"], "alpha/bias": ["model"],
+        "delta/kernel": ["-", "-", "-", "model"], "delta/bias": ["model"],
+        "iota/kernel": ["-", "model"], "iota/bias": ["model"],
+        **{f"{bn}/{v}": ["model"] for bn in ("beta", "epsilon")
+           for v in ("gamma", "beta", "moving_mean", "moving_variance")}}
+    assert plan["eta"].impl == "SliceAvgPool2D"
+    with pytest.raises(UsageError, match="--layout=fc_only splits Dense layers and .* has none"):
+        make_plan(keras.Sequential([keras.Input((8, 8, 1)), L.Conv2D(4, 3), L.GlobalAveragePooling2D()]),
+                  "fc_only", [], {"batch": 1, "model": 2})
+
+
+def test_a_nested_model_is_placed_layer_by_layer():
+    inner = keras.Sequential([keras.Input((8, 8, 4)), L.Conv2D(8, 3, padding="same", name="inner_conv"),
+                              L.ReLU(name="inner_relu")], name="block")
+    x = inputs = keras.Input((8, 8, 3), name="img")
+    x = L.Conv2D(4, 3, padding="same", name="stem")(x)
+    x = inner(x)
+    x = L.GlobalAveragePooling2D(name="pool")(x)
+    model = keras.Model(inputs, L.Dense(10, name="head")(x))
+    plan = make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
+    assert [p.name for p in plan.layers] == ["img", "stem", "inner_conv", "inner_relu", "pool", "head"]
+    assert plan["inner_conv"].node.inputs == ("stem",) and plan["pool"].node.inputs == ("inner_relu",)
+    assert plan["inner_conv"].impl == "SplitConv2D" and plan["inner_conv"].collectives[0].op == "all_gather"
+
+
+class Scale(keras.layers.Layer):
+    """A user's layer with a weight, which the plan cannot know how to split."""
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.scale
+
+
+def test_a_custom_layer_with_weights_on_split_activations_is_refused_by_name():
+    x = inputs = keras.Input((8, 8, 3))
+    x = L.Conv2D(8, 3, name="conv")(x)
+    x = Scale(name="my_scale")(x)
+    model = keras.Model(inputs, L.Dense(10, name="head")(L.Flatten()(x)))
+    with pytest.raises(UsageError, match=r"^layer my_scale \(Scale\) receives activations split on 'model' and "
+                                         r"has weights and no split-aware version: replicate"):
+        make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
+    make_plan(model, "fc_only", [], {"batch": 1, "model": 2})   # replicated convolutions: fine
+
+
+def test_a_weightless_layer_that_needs_whole_channels_gathers_first():
+    x = inputs = keras.Input((8, 8, 3))
+    x = L.Conv2D(8, 3, name="conv")(x)
+    x = L.Reshape((36, 8), name="reshape")(x)
+    model = keras.Model(inputs, L.Dense(10, name="head")(L.Flatten(name="flat")(x)))
+    plan = make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
+    assert plan["reshape"].impl == "GatherReshape" and plan["reshape"].out_layout == WHOLE
+    assert plan["reshape"].collectives[0].elems_per_example == 6 * 6 * 8
+
+
+def test_no_module_but_the_plan_walks_layers_to_place_them():
+    """The converter, planner, reports and memory read the plan; none iterates model.layers."""
+    walkers = []
+    for folder in ("parallel", "planner", "profiling", "training"):
+        for root, _, files in os.walk(os.path.join(REPO, "tf_multigpu", folder)):
+            for name in files:
+                path = os.path.join(root, name)
+                if name.endswith(".py") and name != "placement.py":
+                    if re.search(r"\b\w*(model|plain)\w*\.(layers|operations)\b", open(path).read()):
+                        walkers.append(os.path.relpath(path, REPO))
+    assert walkers == []
