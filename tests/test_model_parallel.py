@@ -40,6 +40,8 @@ def _build(devices, model, dataset, layout="filter_split", strategy="model", mes
 
 def test_each_split_kernel_holds_one_mth_per_device(devices):
     par, model, optimizer = _build(devices, "alexnet", "synthetic")
+    from tf_multigpu.parallel import Parallelism
+    assert isinstance(par, Parallelism) and par.spmd_lowered
     split = [v for v in model.trainable_weights if par.plan.split_on_model(v.path)]
     assert {v.path.split("/")[1] for v in split} == {
         "conv1", "conv2", "conv3", "conv4", "conv5", "fc6", "fc7", "logits"}

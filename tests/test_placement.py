@@ -148,3 +148,10 @@ def test_no_module_but_the_plan_walks_layers_to_place_them():
                     if re.search(r"\b\w*(model|plain)\w*\.(layers|operations)\b", open(path).read()):
                         walkers.append(os.path.relpath(path, REPO))
     assert walkers == []
+
+
+def test_both_parallelisms_declare_the_interface(devices):
+    from tf_multigpu.parallel import Parallelism, make_parallelism
+    for par in (make_parallelism("data", devices[:2], 8), make_parallelism("single", devices[:1], 8)):
+        assert isinstance(par, Parallelism) and not par.spmd_lowered and par.mesh_shape["model"] == 1
+    # (a DTensor mesh is made in tests/test_model_parallel.py: one mesh per process)

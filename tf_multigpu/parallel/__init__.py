@@ -6,12 +6,14 @@ single-replica step function across the devices.
 """
 
 from tf_multigpu.config.config import mesh_for
+from tf_multigpu.parallel.base import Parallelism
 from tf_multigpu.parallel.devices import configure_devices
 from tf_multigpu.parallel.tf_distribute import DistributeParallelism
 
 
 def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str = "auto",
-                     mesh: str = "", layout: str = "filter_split", layout_rules: str = "", runtime=None):
+                     mesh: str = "", layout: str = "filter_split", layout_rules: str = "",
+                     runtime=None) -> Parallelism:
     """The parallelism for a --strategy value over `devices`, or, given a started multi-worker
     `runtime` (parallel/cluster.py), over every device of every worker."""
     if runtime is not None and strategy == "data":
@@ -29,4 +31,4 @@ def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str 
                               local_devices=local, batch_on_model=layout in BATCH_ON_MODEL)
 
 
-__all__ = ["configure_devices", "make_parallelism", "DistributeParallelism"]
+__all__ = ["configure_devices", "make_parallelism", "DistributeParallelism", "Parallelism"]

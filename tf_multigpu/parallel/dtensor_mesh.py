@@ -71,6 +71,7 @@ class DTensorParallelism:
             self.mesh = dtensor.create_distributed_mesh(
                 dims, local_devices=[d.split("device:")[-1] for d in local_devices])
         self.spans_workers = local_devices is not None
+        self.spmd_lowered = True   # collectives exist only after DTensor's SPMD expansion
         # The batch groups this client's devices are in, and so the rows of each global batch
         # it reads: the i-th of n equal slices (all of them in one process).
         self.local_ids = list(self.mesh.local_device_ids())

@@ -61,6 +61,7 @@ class DistributeParallelism:
         self.input_shard = input_shard
         self.spans_workers = input_shard[1] > 1
         self.plan = None   # set by build_model
+        self.spmd_lowered = False
 
     @classmethod
     def create(cls, name: str, devices, global_batch: int, all_reduce: str = "auto"):

@@ -41,7 +41,7 @@ class StepProfiler:
         if self.collectives is not None:
             return sums
         # That was the first call, which compiled the step: read its collectives from TensorFlow's graphs.
-        if hasattr(self.par, "mesh"):   # DTensor: collectives exist only after SPMD expansion
+        if self.par.spmd_lowered:   # DTensor: collectives exist only after SPMD expansion
             found = coll.read_lowered_step(self.meta["global_batch"],
                                            {tuple(w.shape) for w in self.model.weights})
             if found is None:
