@@ -147,3 +147,22 @@ def test_bad_profile_steps_are_usage_errors(tmp_path, flags, needle):
     done = run_cli(f"--run_dir={tmp_path / 'run'}", "--steps=5", *flags)
     assert done.returncode == 2
     assert needle in done.stderr.strip().splitlines()[-1]
+
+
+def test_resnet50_activation_bytes_measured_equal_the_plans(tmp_path):
+    """keras.applications' ResNet-50 (32x32, batch 8) under model 1x2 filter_split: the forward
+    all-gathers DTensor runs add up to what the placement plan says, to 1%. (A residual
+    block's first conv and its projection shortcut read the same split tensor: DTensor merges
+    their two gathers into one, and so does the plan.)"""
+    run_dir = tmp_path / "resnet50"
+    done = run_cli(f"--run_dir={run_dir}", "--strategy=model", "--cpu_devices=2", "--dataset=synthetic",
+                   "--image_size=32", "--model=tests.user_models:resnet50", "--batch_size=8", "--steps=3",
+                   "--profile_steps=3,3", "--log_every=3", "--noexport", timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    gathers = _report(run_dir)["forward_activation_gathers"]
+    from tests.user_models import resnet50
+    from tf_multigpu.parallel.placement import make_plan
+    from tf_multigpu.profiling.analytic import minimum_bytes
+    plan = make_plan(resnet50((32, 32, 3), 1000), "filter_split", [], {"batch": 1, "model": 2})
+    assert gathers["analytic_payload_bytes"] == minimum_bytes(plan, 8)["forward_activation_payload"] == 5_537_792
+    assert abs(gathers["measured_payload_bytes"] / gathers["analytic_payload_bytes"] - 1) <= 0.01, gathers

@@ -9,7 +9,8 @@ Counted from the placement plan, per device:
                             - its output, at its layout's share (1/M where split on `model`,
                               whole where replicated: the replication on `model` is counted);
                             - a gathered input (SplitConv2D and every Gather* layer after a
-                              split one): a new, whole tensor, saved for the weight gradient;
+                              split one): a new, whole tensor, saved for the weight gradient
+                              (once where two layers gather the same tensor);
                             - Dropout's mask and BatchNormalization's normalised input, each
                               the size of the output;
                           SplitConv2D keeps its (gathered) input, never a patch matrix;
@@ -39,7 +40,7 @@ def saved_elems(plan: PlacementPlan, layer) -> int:
         return 0
     out = node.out_elems // plan.share(layer.out_layout)
     kept = out
-    if layer.gathers:
+    if layer.new_gather:   # a gathered tensor two layers share is kept once
         kept += node.in_elems
     if issubclass(node.cls, _SAVES_OUTPUT_SIZED):
         kept += out

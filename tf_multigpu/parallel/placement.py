@@ -104,11 +104,13 @@ class LayerPlan:
     impl: str                  # "" for the stock class, else a split_layers class name
     in_layouts: tuple
     out_layout: str
-    gathers: bool              # gathers its input whole first (a new, saved tensor where it was split)
+    gathers: bool              # gathers a split input whole first
     kernel_split: bool         # its kernel is split on outputs: its input gradient is all-reduced
     needs_input_grad: bool     # something upstream has weights
     collectives: tuple = ()
     merge_layout: str = ""     # merges: the layout every operand is brought to
+    new_gather: bool = False   # its gather makes a new tensor (an earlier consumer of the same
+                               # split tensor did not gather it already; DTensor merges the two)
 
     @property
     def name(self) -> str:
@@ -276,6 +278,7 @@ class _Walker:
         self.specs, self.mesh, self.batch_on_model = specs, mesh, batch_on_model
         self.m = mesh["model"]
         self.layout, self.upstream_weights = {}, {}
+        self.gathered = set()   # split tensors some layer gathered already
 
     def split(self, path: str) -> bool:
         return "model" in self.specs.get(path, ())
@@ -299,14 +302,18 @@ class _Walker:
         self.layout[node.name] = out
         self.upstream_weights[node.name] = needs_dx or bool(node.trainable)
         collectives = []
-        split_in = [(p, s, lay) for p, s, lay in zip(node.inputs, node.in_shapes, ins) if lay != WHOLE]
-        if gathers and split_in:
-            elems = sum(int(np.prod(s)) for _, s, lay in split_in if merge != CHANNELS or lay == ROWS)
+        split_in = [(p, s) for p, s, lay in zip(node.inputs, node.in_shapes, ins) if lay != WHOLE]
+        # Two layers gathering the same split tensor (a residual block's first conv and its
+        # projection shortcut) share one all-gather: DTensor's lowering merges the identical relayouts.
+        new = [(p, s) for p, s in split_in if p not in self.gathered] if gathers else []
+        if new:
+            self.gathered.update(p for p, _ in new)
+            elems = sum(int(np.prod(s)) for _, s in new)
             collectives.append(Collective("all_gather", "model", node.name, "forward", elems))
         if kernel_split and needs_dx:
             collectives.append(Collective("all_reduce", "model", node.name, "backward", node.in_elems))
         return LayerPlan(node, impl, ins, out, gathers and bool(split_in), kernel_split, needs_dx,
-                         tuple(collectives), merge)
+                         tuple(collectives), merge, bool(new))
 
     def _decide(self, node: Node, ins: tuple):
         """(impl, output layout, gathers, kernel split, merge layout) for one layer."""

@@ -40,10 +40,12 @@ def minimum_bytes(plan: PlacementPlan, global_batch: int) -> dict:
     for layer in plan.layers:
         split_input = any(lay != WHOLE for lay in layer.in_layouts)
         gathered = sum(c.elems_per_example for c in layer.collectives if c.op == "all_gather")
-        if layer.gathers:   # all-gather forward, reduce-scatter backward
+        if layer.new_gather:   # all-gather forward, reduce-scatter backward
             nbytes = group_batch * gathered * BYTES_PER_VALUE
             out["activations"] += 2 * share * nbytes
             out["forward_activation_payload"] += nbytes
+        elif layer.gathers:   # reuses a tensor another layer gathered
+            continue
         elif layer.kernel_split and not split_input and layer.needs_input_grad:
             # partial input gradients, all-reduced
             out["activations"] += 2 * share * group_batch * layer.node.in_elems * BYTES_PER_VALUE
