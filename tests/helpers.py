@@ -26,12 +26,32 @@ def one_step(strategy, devices, source, images, labels, steps=1, model="small_co
     # Dropout draws different masks on N replicas than on one device, so parity is checked
     # on the deterministic network (dropout=0); everything else is the real model.
     model_, optimizer = build_model_and_optimizer(cfg, par, source, steps, dropout=0.0)
-    before = [par.to_numpy(v) for v in model_.weights]   # BatchNorm's moving statistics too
+    before = Weights([par.to_numpy(v) for v in model_.weights], model_)   # BatchNorm's moving statistics too
     batch = tf.data.Dataset.from_tensors((images, labels)).repeat()
     it = iter(par.distribute(lambda b: batch.unbatch().batch(b, drop_remainder=True)))
     fn = par.compile(make_train_step(model_, optimizer, global_batch, jit_compile=cfg.xla))
     fn(it, tf.constant(steps))
     return before, [par.to_numpy(v) for v in model_.weights]
+
+
+class Weights(list):
+    """A model's weights as arrays; `.trainable[i]` says whether weight i is trained by the
+    optimizer (else it is a statistic, e.g. BatchNormalization's moving mean)."""
+
+    def __init__(self, arrays, model):
+        super().__init__(arrays)
+        trainable = {id(v) for v in model.trainable_weights}
+        self.trainable = [id(v) in trainable for v in model.weights]
+
+
+def statistics_difference(before, after_a, after_b):
+    """max_update_difference over the non-trainable weights (moving statistics) only: their
+    update is a forward quantity (the batch's mean and variance), free of the cancellation that
+    makes BatchNorm's backward sensitive to summation order."""
+    keep = [i for i, trainable in enumerate(before.trainable) if not trainable]
+    if not keep:
+        return 0.0
+    return max_update_difference(*([x[i] for i in keep] for x in (before, after_a, after_b)))
 
 
 def max_update_difference(before, after_a, after_b):

@@ -1,13 +1,14 @@
 """Runs one mesh's parity checks in its own process and prints them as JSON.
 
     python -m tests.parity_worker STRATEGY MESH LAYOUT[,LAYOUT...] [STEPS] [dtype=D] [xla=1]
-                                  [model=FACTORY image_size=S batch=B]
+                                  [model=FACTORY image_size=S batch=B] [float64=1]
 
 With dtype=D both runs compute in D; with xla=1 the parallel run is XLA-compiled and the
 reference is not. With model=FACTORY (e.g. tests.user_models:resnet50) the model is a user's
 factory on synthetic S x S images, global batch B; the result then also holds the noise floor
 of the measure for that model: one device's step on the same batch with its rows permuted
-(BatchNormalization's batch sums in another order).
+(BatchNormalization's batch sums in another order). With float64=1 both runs compute in
+float64, where reordering costs ~1e-16 and any remaining difference is a real one.
 
 A second DTensor mesh over other devices in the same process can hang in collective set-up
 (BUILD_NOTES.md), so tests/test_parity.py starts one process per mesh.
@@ -20,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tests.conftest import DEVICES
-from tests.helpers import max_update_difference, one_step
+from tests.helpers import max_update_difference, one_step, statistics_difference
 from tf_multigpu.data import load_source
 
 
@@ -28,6 +29,10 @@ def main(strategy, mesh, layouts, steps="1", *options):
     options = dict(option.split("=") for option in options)
     dtype, xla = options.get("dtype", "float32"), options.get("xla") == "1"
     model = options.get("model", "small_convnet")
+    if options.get("float64") == "1":   # both runs: rounding ~1e-16, so only a real difference shows
+        import keras
+        keras.config.set_floatx("float64")
+        keras.config.set_dtype_policy("float64")
     if "image_size" in options:
         source = load_source("synthetic", image_size=int(options["image_size"]))
         records = source.train_records().map(lambda i, label: (source.preprocess(source.decode(i)), label))
@@ -45,6 +50,7 @@ def main(strategy, mesh, layouts, steps="1", *options):
         result[layout] = {
             "same_initial_weights": all((a == b).all() for a, b in zip(before, before_m)),
             "max_update_difference": max_update_difference(before, split, single),
+            "statistics_difference": statistics_difference(before, split, single),
         }
     if "model" in options:
         rows = np.random.RandomState(0).permutation(len(labels))
