@@ -56,7 +56,10 @@ def train_dataset(source: ImageSource, *, seed: int, global_batch: int, batch_si
 
     ds = tf.data.Dataset.range(start_epoch, _MAX_EPOCHS).flat_map(epoch)
     ds = ds.skip(step_in_epoch * global_batch)           # before decoding: resume is cheap
-    return _decode_and_batch(source, _rows(ds, global_batch, shard), batch_size)
+    # Each record's global position (step * G + row) keys its augmentation: the same on every
+    # strategy and worker, and after a resume.
+    ds = ds.enumerate(start_step * global_batch).map(lambda i, record: (*record, i))
+    return _decode_and_batch(source, seed, _rows(ds, global_batch, shard), batch_size)
 
 
 def test_dataset(source: ImageSource, *, global_batch: int, batch_size: int,
@@ -90,8 +93,12 @@ def _rows(ds, global_batch, shard):
     return keep.map(lambda i, record: record)
 
 
-def _decode_and_batch(source, ds, batch_size):
-    ds = ds.map(lambda r, y: (source.decode(r), tf.cast(y, tf.int32)), num_parallel_calls=AUTOTUNE)
+def _decode_and_batch(source, seed, ds, batch_size):
+    def decode(record, label, position):
+        key = tf.stack([tf.cast(seed, tf.int64), position])
+        return source.decode_train(record, key), tf.cast(label, tf.int32)
+
+    ds = ds.map(decode, num_parallel_calls=AUTOTUNE)
     ds = ds.batch(batch_size, drop_remainder=True)
     # Preprocess whole batches: one vectorised op instead of one per image.
     ds = ds.map(lambda x, y: (source.preprocess(x), y), num_parallel_calls=AUTOTUNE)

@@ -39,7 +39,8 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     raises Preempted."""
     started = time.perf_counter()
     get_factory(cfg.model)   # an unknown model is reported before anything is built
-    source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size)
+    source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size, augment=cfg.augment,
+                         test_fraction=cfg.test_fraction, skip_bad_images=cfg.skip_bad_images)
     cfg, plan = resolve_strategy(cfg, devices, source)   # --strategy=auto: the planner's top plan
     par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh,
                            cfg.layout, cfg.layout_rules, runtime=runtime)
@@ -148,7 +149,7 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
         "model": cfg.model, "dataset": source.name, "global_batch": cfg.batch_size,
         **{k: train_metrics.get(k) for k in ("loss", "accuracy")}, **steady.summary(),
         **test_metrics, "wall_time_s": time.perf_counter() - started, "export_dir": export_dir,
-        "memory_per_device_bytes": memory,
+        "memory_per_device_bytes": memory, "skipped_images": len(source.skipped),
     }
     if profiler and profiler.report:
         summary["communication"] = {"mean": profiler.report["mean"], "report": paths.comm_report + ".md",
