@@ -17,6 +17,7 @@ import tensorflow as tf
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.data.pipeline import steps_per_epoch, test_dataset, train_dataset
+from tf_multigpu.data.throughput import InputCheck
 from tf_multigpu.errors import DoesNotFit, UsageError
 from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model, get_factory
@@ -75,6 +76,9 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     test_data = par.distribute(lambda b: test_dataset(source, global_batch=cfg.batch_size, batch_size=b,
                                                       shard=par.input_shard))
     test_batches = math.ceil(source.num_test / cfg.batch_size)
+    input_check = InputCheck(lambda: train_dataset(   # this process's rows, timed alone, once
+        source, seed=cfg.seed, global_batch=cfg.batch_size, batch_size=cfg.batch_size // par.input_shard[1],
+        start_step=start, shard=par.input_shard), share=1 / par.input_shard[1])
     train_fn = par.compile(make_train_step(model, optimizer, cfg.batch_size, jit_compile=cfg.xla))
     eval_fn = par.compile(make_eval_step(model))
 
@@ -117,6 +121,8 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
                 "learning_rate": float(optimizer.learning_rate.numpy()),
             }
             _write_scalars(writer, "train", step, train_metrics)
+            if step - window > start and (note := input_check.verdict(train_metrics["examples_per_sec"])):
+                print(note, flush=True)   # once: the first timed window after warm-up that is input-bound
             shown = [("loss", train_metrics["loss"]), ("accuracy", train_metrics["accuracy"]),
                      ("examples/s", train_metrics["examples_per_sec"])]
             if step % eval_every == 0 or step == total_steps:
