@@ -44,6 +44,9 @@ def previous_run(tmp_path_factory):
     (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
     (["--batch_size=sixty"], "--batch_size"),
     (["--seed=5"], "holds a run with other settings (--seed: 0 -> 5)"),
+    (["--model=os:getcwd"], "--model=os:getcwd: the factory raised TypeError"),
+    (["--dataset=folder:/nonexistent"], "--dataset=folder:/nonexistent: no such directory"),
+    (["--augment=paper"], "--augment=paper applies to photos (--dataset=folder:PATH or tfds:NAME), not digits"),
 ])
 def test_bad_input_is_one_line_exit_2_and_keeps_earlier_results(previous_run, flags, needle):
     before = _fingerprint(previous_run)
