@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from tf_multigpu.data import load_source
+from tf_multigpu.data import pipeline
 from tf_multigpu.data.pipeline import train_dataset
 from tf_multigpu.data.throughput import HEADROOM, InputCheck
 from tests.conftest import REPO
@@ -43,3 +44,12 @@ def test_tool_prints_the_table():
     for row in rows:
         pipeline, step, headroom = (float(v) for v in row.strip("| ").split("|")[3:6])
         assert pipeline > 0 and step > 0 and abs(headroom - pipeline / step) < 0.01 + 0.02 * headroom
+
+
+def test_input_threads_give_the_pipelines_their_own_pool():
+    digits = load_source("digits", input_threads=5)
+    train = train_dataset(digits, seed=0, global_batch=64, batch_size=64)
+    assert train.options().threading.private_threadpool_size == 5
+    assert pipeline.test_dataset(digits, global_batch=64, batch_size=64).options().threading.private_threadpool_size == 5
+    default = train_dataset(load_source("digits"), seed=0, global_batch=64, batch_size=64)
+    assert not default.options().threading.private_threadpool_size

@@ -48,6 +48,7 @@ class Config:
     augment: str = "auto"         # none | paper (Krizhevsky 2012); auto: paper for ImageNet
     test_fraction: float | None = None   # folder:PATH without val/: held-out share (None: 0.2)
     skip_bad_images: bool = False  # folder:PATH: leave unreadable files out instead of stopping
+    input_threads: int = 0        # tf.data threads (0: its default, one per core)
     model: str = "small_convnet"
     batch_size: int = 64
     steps: int | None = None   # None: derived from epochs
@@ -84,6 +85,7 @@ class Config:
         _at_least("cpu_devices", self.cpu_devices, 0)
         _at_least("image_size", self.image_size, 0)
         _one_of("augment", self.augment, AUGMENTS)
+        _at_least("input_threads", self.input_threads, 0)
         if self.test_fraction is not None and not 0 < self.test_fraction < 1:
             raise UsageError(f"--test_fraction={self.test_fraction} must be between 0 and 1, e.g. --test_fraction=0.2")
         if self.dataset.startswith("folder:") and len(self.dataset) == 7:

@@ -54,6 +54,9 @@ flags.DEFINE_string("augment", _D.augment, "Training-image augmentation: none (i
                     "of ImageNet's nXXXXXXXX classes, else none).")
 flags.DEFINE_float("test_fraction", _D.test_fraction, "--dataset=folder:PATH without a val/ or test/ "
                    "folder: the share of each class held out for testing (fixed split; default 0.2).")
+flags.DEFINE_integer("input_threads", _D.input_threads, "Threads of the input pipeline (0: tf.data's "
+                     "default, one per CPU core). More than the cores helps when images come from "
+                     "network storage; see README, 'Input throughput'.")
 flags.DEFINE_boolean("skip_bad_images", _D.skip_bad_images, "--dataset=folder:PATH: leave unreadable "
                      "images out (counted in summary.json) instead of stopping with the file's name.")
 flags.DEFINE_string("data_dir", _D.data_dir, "TFDS data directory for --dataset=tfds:NAME.")

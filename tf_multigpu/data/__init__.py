@@ -5,6 +5,8 @@
 `pipeline` turns a source into seeded, resumable, per-replica batches.
 """
 
+import dataclasses
+
 from tf_multigpu.data.source import ImageSource
 from tf_multigpu.errors import UsageError
 
@@ -12,11 +14,17 @@ NAMES = ("digits", "synthetic", "tfds:NAME", "folder:PATH")
 
 
 def load_source(name: str, data_dir=None, image_size: int = 0, *, augment: str = "auto",
-                test_fraction=None, skip_bad_images: bool = False) -> ImageSource:
+                test_fraction=None, skip_bad_images: bool = False, input_threads: int = 0) -> ImageSource:
     """The ImageSource for a --dataset value; UsageError names the choices if unknown.
 
     `augment` (data/augment.py) applies to images (tfds: and folder:), `test_fraction` and
-    `skip_bad_images` to folders; elsewhere they are refused rather than ignored."""
+    `skip_bad_images` to folders; elsewhere they are refused rather than ignored.
+    `input_threads` sizes the pipelines' thread pool (0: tf.data's default, one per core)."""
+    source = _load(name, data_dir, image_size, augment, test_fraction, skip_bad_images)
+    return dataclasses.replace(source, input_threads=input_threads) if input_threads else source
+
+
+def _load(name, data_dir, image_size, augment, test_fraction, skip_bad_images):
     folder = name.startswith("folder:") and len(name) > 7
     if not folder and (test_fraction is not None or skip_bad_images):
         raise UsageError(f"--test_fraction and --skip_bad_images apply to --dataset=folder:PATH, not {name}: drop them")

@@ -75,7 +75,7 @@ def test_dataset(source: ImageSource, *, global_batch: int, batch_size: int,
     ds = _rows(real.concatenate(blank.repeat(pad)), global_batch, shard)
     ds = ds.map(lambda r, y, w: (source.decode(r), y, w), num_parallel_calls=AUTOTUNE)
     ds = ds.batch(batch_size, drop_remainder=True)
-    return ds.map(lambda x, y, w: (source.preprocess(x), y, w)).prefetch(AUTOTUNE)
+    return _threads(source, ds.map(lambda x, y, w: (source.preprocess(x), y, w)).prefetch(AUTOTUNE))
 
 
 def _rows(ds, global_batch, shard):
@@ -102,4 +102,14 @@ def _decode_and_batch(source, seed, ds, batch_size):
     ds = ds.batch(batch_size, drop_remainder=True)
     # Preprocess whole batches: one vectorised op instead of one per image.
     ds = ds.map(lambda x, y: (source.preprocess(x), y), num_parallel_calls=AUTOTUNE)
-    return ds.prefetch(AUTOTUNE)
+    return _threads(source, ds.prefetch(AUTOTUNE))
+
+
+def _threads(source, ds):
+    """`ds` on a private pool of `source.input_threads` threads, if set (else tf.data's shared
+    pool, one thread per core): more threads than cores pay off when reads wait on storage."""
+    if not source.input_threads:
+        return ds
+    options = tf.data.Options()
+    options.threading.private_threadpool_size = source.input_threads
+    return ds.with_options(options)

@@ -35,6 +35,7 @@ class ImageSource:
     # stream): a seeded random augmentation (data/augment.py). None: `decode`.
     train_decode: Callable | None = None
     skipped: tuple = ()           # files left out as unreadable (--skip_bad_images)
+    input_threads: int = 0        # tf.data threads for this source's pipelines (0: one per core)
 
     def decode_train(self, record, key: tf.Tensor) -> tf.Tensor:
         """A training example's image: `train_decode` if the source augments, else `decode`."""

@@ -41,7 +41,8 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     started = time.perf_counter()
     get_factory(cfg.model)   # an unknown model is reported before anything is built
     source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size, augment=cfg.augment,
-                         test_fraction=cfg.test_fraction, skip_bad_images=cfg.skip_bad_images)
+                         test_fraction=cfg.test_fraction, skip_bad_images=cfg.skip_bad_images,
+                         input_threads=cfg.input_threads)
     cfg, plan = resolve_strategy(cfg, devices, source)   # --strategy=auto: the planner's top plan
     par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh,
                            cfg.layout, cfg.layout_rules, runtime=runtime)
