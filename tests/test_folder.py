@@ -138,6 +138,7 @@ def _bad(root, *parts, content=b"\xff\xd8\xff\xe0 this is no JPEG"):
     ("one_class", "has only one class (cat): a classifier needs at least two"),
     ("class_without_images", "class folder(s) dog in"),
     ("val_class_unknown", "has classes that"),
+    ("too_few_to_hold_out", "cannot hold out a stratified --test_fraction=0.2 of 4 images in 2 classes"),
 ])
 def test_bad_folders_are_one_line_errors(tmp_path, layout, needle):
     root = tmp_path / "data"
@@ -151,6 +152,9 @@ def test_bad_folders_are_one_line_errors(tmp_path, layout, needle):
         write_images(root / "cat", 3)
         (root / "dog").mkdir()
         (root / "dog" / "readme.txt").write_text("no images here")
+    elif layout == "too_few_to_hold_out":
+        for name in ("cat", "dog"):
+            write_images(root / name, 2)
     elif layout == "val_class_unknown":
         for split, names in (("train", ("cat", "dog")), ("val", ("cat", "cow"))):
             for name in names:
