@@ -6,7 +6,9 @@ then cut to whole global batches. (A stateless permutation, unlike `Dataset.shuf
 not depend on TensorFlow's global seed or on how many epochs came before.) Small sets are
 one block, i.e. fully shuffled each epoch. A run resumed at step K rebuilds the
 stream from epoch K // steps_per_epoch and skips the records already used in it, before any
-decoding, so it sees exactly the batches an uninterrupted run would.
+decoding, so it sees exactly the batches an uninterrupted run would. A source that augments
+(`train_decode`) gets each record's position in the stream with it: the key of its random crop
+is (seed, position), so augmentation keeps all of the above.
 
 Data parallelism reads the stream in per-replica pieces: MirroredStrategy hands consecutive
 elements of the per-replica dataset to replicas 0..N-1 in turn, so replica i of a step gets
