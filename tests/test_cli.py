@@ -44,6 +44,8 @@ def previous_run(tmp_path_factory):
     (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
     (["--batch_size=sixty"], "--batch_size"),
     (["--seed=5"], "holds a run with other settings (--seed: 0 -> 5)"),
+    (["--dataset=folder:/nonexistent"], "--dataset=folder:/nonexistent: no such directory"),
+    (["--augment=paper"], "--augment=paper applies to photos (--dataset=folder:PATH or tfds:NAME), not digits"),
 ])
 def test_bad_input_is_one_line_exit_2_and_keeps_earlier_results(previous_run, flags, needle):
     before = _fingerprint(previous_run)
@@ -53,6 +55,14 @@ def test_bad_input_is_one_line_exit_2_and_keeps_earlier_results(previous_run, fl
     assert len(errors) == 1 and needle in errors[0], done.stderr[-2000:]
     assert done.stderr.rstrip().endswith(errors[0])
     assert _fingerprint(previous_run) == before
+
+
+def test_a_factory_that_builds_no_keras_model_is_one_line_naming_it(tmp_path):
+    done = run_cli(f"--run_dir={tmp_path / 'run'}", "--model=os:getcwd", "--steps=1")
+    assert done.returncode == USAGE_ERROR
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "tf-multigpu-train: error: --model=os:getcwd: the factory raised TypeError")
+    assert "Traceback" not in done.stderr
 
 
 def test_missing_run_dir():

@@ -30,6 +30,10 @@ def test_defaults_are_valid():
     ({"strategy": "hybrid", "all_reduce": "one_device"}, "--all_reduce applies to --strategy=data"),
     ({"mesh": "batch:2,model:1"}, "--mesh applies to --strategy=model or hybrid"),
     ({"data_dir": "/nonexistent/tfds"}, "--data_dir=/nonexistent/tfds is not a readable directory"),
+    ({"augment": "heavy"}, "unknown --augment='heavy': choose one of auto, none, paper"),
+    ({"test_fraction": 1.0}, "--test_fraction=1.0 must be between 0 and 1"),
+    ({"dataset": "folder:"}, "--dataset=folder: needs the folder"),
+    ({"input_threads": -1}, "--input_threads=-1 must be >= 0"),
 ])
 def test_bad_values_name_the_fix(change, needle):
     with pytest.raises(UsageError) as e:

@@ -34,6 +34,8 @@ def test_user_factory_by_import_path():
     ("tests.user_models:missing", "cannot import it"),
     ("tests.user_models:NOT_CALLABLE", "is not a function"),
     ("tests.user_models:wrong_classes", "not (batch, 10) logits"),
+    ("os:getcwd", "--model=os:getcwd: the factory raised TypeError(posix.getcwd() takes no arguments"),
+    ("builtins:slice", "--model=builtins:slice returned slice, not a keras.Model"),
 ])
 def test_bad_model_names(name, needle):
     with pytest.raises(UsageError, match=None) as e:

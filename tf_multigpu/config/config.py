@@ -18,13 +18,15 @@ LAYOUTS = ("filter_split", "fc_only", "conv_data_fc_model")
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "one_device")
 LR_SCHEDULES = ("constant", "step", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
+AUGMENTS = ("auto", "none", "paper")   # data/augment.py
 
 # The fields that decide what a run computes. Resuming a run directory with any of these
 # changed would silently mix two experiments, so it is refused. Steps, epochs, cadence and
 # the device layout may change between runs (a checkpoint restores onto any strategy).
 RESULT_FIELDS = (
     "dataset", "image_size", "model", "batch_size", "learning_rate", "lr_schedule",
-    "warmup_steps", "momentum", "weight_decay", "seed", "dtype",
+    "warmup_steps", "momentum", "weight_decay", "seed", "dtype", "augment", "test_fraction",
+    "skip_bad_images",
 )
 
 
@@ -43,6 +45,10 @@ class Config:
     dataset: str = "digits"
     data_dir: str | None = None
     image_size: int = 0           # 0: the data set's own size
+    augment: str = "auto"         # none | paper (Krizhevsky 2012); auto: paper for ImageNet
+    test_fraction: float | None = None   # folder:PATH without val/: held-out share (None: 0.2)
+    skip_bad_images: bool = False  # folder:PATH: leave unreadable files out instead of stopping
+    input_threads: int = 0        # tf.data threads (0: its default, one per core)
     model: str = "small_convnet"
     batch_size: int = 64
     steps: int | None = None   # None: derived from epochs
@@ -78,6 +84,12 @@ class Config:
         _at_least("num_devices", self.num_devices, 0)
         _at_least("cpu_devices", self.cpu_devices, 0)
         _at_least("image_size", self.image_size, 0)
+        _one_of("augment", self.augment, AUGMENTS)
+        _at_least("input_threads", self.input_threads, 0)
+        if self.test_fraction is not None and not 0 < self.test_fraction < 1:
+            raise UsageError(f"--test_fraction={self.test_fraction} must be between 0 and 1, e.g. --test_fraction=0.2")
+        if self.dataset.startswith("folder:") and len(self.dataset) == 7:
+            raise UsageError("--dataset=folder: needs the folder, e.g. --dataset=folder:/data/flowers")
         _at_least("device_memory_limit", self.device_memory_limit, 0)
         _at_least("logical_gpus", self.logical_gpus, 1)
         if self.logical_gpus > 1 and not self.device_memory_limit:

@@ -44,11 +44,24 @@ flags.DEFINE_integer("cpu_devices", _D.cpu_devices,
 flags.DEFINE_string("all_reduce", _D.all_reduce, f"Cross-device gradient reduction for --strategy=data: "
                     f"one of {', '.join(ALL_REDUCE)} (auto: TensorFlow's choice; nccl needs GPUs).")
 flags.DEFINE_string("dataset", _D.dataset, "digits (scikit-learn's 1,797 handwritten digits, no "
-                    "download), synthetic (random ImageNet-shaped images, for benchmarks), or "
-                    "tfds:NAME (a TFDS image classification set prepared under --data_dir).")
+                    "download), synthetic (random ImageNet-shaped images, for benchmarks), "
+                    "tfds:NAME (a TFDS image classification set prepared under --data_dir), or "
+                    "folder:PATH (your images: PATH/CLASS/*.jpg, or PATH/train/CLASS/ and PATH/val/CLASS/; "
+                    "JPEG, PNG, BMP, GIF).")
+flags.DEFINE_string("augment", _D.augment, "Training-image augmentation: none (images resized to "
+                    "--image_size), paper (Krizhevsky 2012: shorter side to 256, random 224 crop and "
+                    "mirror; centre crop for testing), or auto (paper for tfds:imagenet2012 and folders "
+                    "of ImageNet's nXXXXXXXX classes, else none).")
+flags.DEFINE_float("test_fraction", _D.test_fraction, "--dataset=folder:PATH without a val/ or test/ "
+                   "folder: the share of each class held out for testing (fixed split; default 0.2).")
+flags.DEFINE_integer("input_threads", _D.input_threads, "Threads of the input pipeline (0: tf.data's "
+                     "default, one per CPU core). More than the cores helps when images come from "
+                     "network storage; see README, 'Input throughput'.")
+flags.DEFINE_boolean("skip_bad_images", _D.skip_bad_images, "--dataset=folder:PATH: leave unreadable "
+                     "images out (counted in summary.json) instead of stopping with the file's name.")
 flags.DEFINE_string("data_dir", _D.data_dir, "TFDS data directory for --dataset=tfds:NAME.")
 flags.DEFINE_integer("image_size", _D.image_size, "Resize images to SIZE x SIZE (0: the data set's own "
-                     "size; synthetic: 224).")
+                     "size; synthetic and folders: 224); with --augment=paper, the crop size.")
 flags.DEFINE_string("model", _D.model, "alexnet, small_convnet, or package.module:function returning a "
                     "Keras model from (input_shape, num_classes).")
 flags.DEFINE_integer("batch_size", _D.batch_size, "GLOBAL batch size, split evenly over the replicas.")

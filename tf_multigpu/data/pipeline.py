@@ -6,7 +6,9 @@ then cut to whole global batches. (A stateless permutation, unlike `Dataset.shuf
 not depend on TensorFlow's global seed or on how many epochs came before.) Small sets are
 one block, i.e. fully shuffled each epoch. A run resumed at step K rebuilds the
 stream from epoch K // steps_per_epoch and skips the records already used in it, before any
-decoding, so it sees exactly the batches an uninterrupted run would.
+decoding, so it sees exactly the batches an uninterrupted run would. A source that augments
+(`train_decode`) gets each record's position in the stream with it: the key of its random crop
+is (seed, position), so augmentation keeps all of the above.
 
 Data parallelism reads the stream in per-replica pieces: MirroredStrategy hands consecutive
 elements of the per-replica dataset to replicas 0..N-1 in turn, so replica i of a step gets
@@ -56,7 +58,10 @@ def train_dataset(source: ImageSource, *, seed: int, global_batch: int, batch_si
 
     ds = tf.data.Dataset.range(start_epoch, _MAX_EPOCHS).flat_map(epoch)
     ds = ds.skip(step_in_epoch * global_batch)           # before decoding: resume is cheap
-    return _decode_and_batch(source, _rows(ds, global_batch, shard), batch_size)
+    # Each record's global position (step * G + row) keys its augmentation: the same on every
+    # strategy and worker, and after a resume.
+    ds = ds.enumerate(start_step * global_batch).map(lambda i, record: (*record, i))
+    return _decode_and_batch(source, seed, _rows(ds, global_batch, shard), batch_size)
 
 
 def test_dataset(source: ImageSource, *, global_batch: int, batch_size: int,
@@ -72,7 +77,7 @@ def test_dataset(source: ImageSource, *, global_batch: int, batch_size: int,
     ds = _rows(real.concatenate(blank.repeat(pad)), global_batch, shard)
     ds = ds.map(lambda r, y, w: (source.decode(r), y, w), num_parallel_calls=AUTOTUNE)
     ds = ds.batch(batch_size, drop_remainder=True)
-    return ds.map(lambda x, y, w: (source.preprocess(x), y, w)).prefetch(AUTOTUNE)
+    return _threads(source, ds.map(lambda x, y, w: (source.preprocess(x), y, w)).prefetch(AUTOTUNE))
 
 
 def _rows(ds, global_batch, shard):
@@ -90,9 +95,23 @@ def _rows(ds, global_batch, shard):
     return keep.map(lambda i, record: record)
 
 
-def _decode_and_batch(source, ds, batch_size):
-    ds = ds.map(lambda r, y: (source.decode(r), tf.cast(y, tf.int32)), num_parallel_calls=AUTOTUNE)
+def _decode_and_batch(source, seed, ds, batch_size):
+    def decode(record, label, position):
+        key = tf.stack([tf.cast(seed, tf.int64), position])
+        return source.decode_train(record, key), tf.cast(label, tf.int32)
+
+    ds = ds.map(decode, num_parallel_calls=AUTOTUNE)
     ds = ds.batch(batch_size, drop_remainder=True)
     # Preprocess whole batches: one vectorised op instead of one per image.
     ds = ds.map(lambda x, y: (source.preprocess(x), y), num_parallel_calls=AUTOTUNE)
-    return ds.prefetch(AUTOTUNE)
+    return _threads(source, ds.prefetch(AUTOTUNE))
+
+
+def _threads(source, ds):
+    """`ds` on a private pool of `source.input_threads` threads, if set (else tf.data's shared
+    pool, one thread per core): more threads than cores pay off when reads wait on storage."""
+    if not source.input_threads:
+        return ds
+    options = tf.data.Options()
+    options.threading.private_threadpool_size = source.input_threads
+    return ds.with_options(options)

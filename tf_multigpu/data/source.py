@@ -4,6 +4,8 @@ A source's records are cheap (undecoded) elements in a fixed order; the pipeline
 skips and batches them before `decode` runs, so resuming at step K skips K batches without
 decoding them. `preprocess` turns a batch of stored pixels into the model's float input; the
 export embeds the same function, so a client sends pixels as the data set stores them.
+A source may augment its training images (`train_decode`): decoded per example with a key
+derived from (seed, the example's global position), so augmentation is seeded and stateless.
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ class ImageSource:
     train_records: Callable[[], tf.data.Dataset]   # (record, label) in a fixed order
     test_records: Callable[[], tf.data.Dataset]
     decode: Callable = lambda record: record        # record -> image of image_shape, pixel_dtype
+    # (record, key) -> image for training, key = (seed, the example's position in the batch
+    # stream): a seeded random augmentation (data/augment.py). None: `decode`.
+    train_decode: Callable | None = None
+    skipped: tuple = ()           # files left out as unreadable (--skip_bad_images)
+    input_threads: int = 0        # tf.data threads for this source's pipelines (0: one per core)
+
+    def decode_train(self, record, key: tf.Tensor) -> tf.Tensor:
+        """A training example's image: `train_decode` if the source augments, else `decode`."""
+        return self.train_decode(record, key) if self.train_decode else self.decode(record)
 
     def preprocess(self, images: tf.Tensor) -> tf.Tensor:
         """Stored pixels -> float32 in [-1, 1], the model's input."""

@@ -4,17 +4,22 @@ Nothing is downloaded at run time: the set must already be prepared under --data
 TFDS' default directory). Records are the undecoded image bytes (SkipDecoding), so shuffling
 and the skip on resume cost no JPEG decoding; images are decoded with the feature's own
 decoder and resized to --image_size (required when the set's images vary in size, default 224).
+With `--augment=paper` (the default for imagenet2012) they go through the paper's recipe
+instead (data/augment.py): shorter side 256, random 224 crops and mirroring for training.
 """
 
 import tensorflow as tf
 
+from tf_multigpu.data import augment as augments
 from tf_multigpu.data.source import ImageSource
 from tf_multigpu.errors import UsageError
 
 DEFAULT_SIZE_FOR_VARIABLE_IMAGES = 224
 
 
-def load_tfds_source(name: str, data_dir=None, image_size: int = 0) -> ImageSource:
+def load_tfds_source(name: str, data_dir=None, image_size: int = 0, augment: str = "auto") -> ImageSource:
+    """The ImageSource of a prepared TFDS set; `augment` as data/augment.py (auto: paper for
+    imagenet2012, none otherwise)."""
     import tensorflow_datasets as tfds
 
     try:
@@ -65,7 +70,7 @@ def load_tfds_source(name: str, data_dir=None, image_size: int = 0) -> ImageSour
 
     names = tuple(label_feature.names) if hasattr(label_feature, "names") else tuple(
         str(i) for i in range(label_feature.num_classes))
-    return ImageSource(
+    source = ImageSource(
         name=f"tfds:{name}",
         image_shape=shape,
         num_classes=label_feature.num_classes,
@@ -78,3 +83,11 @@ def load_tfds_source(name: str, data_dir=None, image_size: int = 0) -> ImageSour
         test_records=lambda: records(test_split),
         decode=decode,
     )
+    if augment == "auto":
+        augment = "paper" if name.split("/")[0].split(":")[0] == "imagenet2012" else "none"
+    if augment == "none":
+        return source
+    if channels != 3:
+        raise UsageError(f"--augment={augment} needs colour images, but tfds:{name} has {channels} channel(s): "
+                         "use --augment=none")
+    return augments.with_augment(source, image_feature.decode_example, augment, image_size or height)

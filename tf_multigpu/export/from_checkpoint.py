@@ -39,7 +39,9 @@ def export_from_checkpoint(run_dir: str, checkpoint: str | None = None, export_d
     export_dir = os.path.abspath(export_dir or RunPaths(run_dir).export)
     check_export_dir(export_dir)   # before the (possibly long) build and evaluation
 
-    source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size)
+    # The run's own data options: the same test split, crops and left-out files as in training.
+    source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size, augment=cfg.augment,
+                         test_fraction=cfg.test_fraction, skip_bad_images=cfg.skip_bad_images)
     model = build_model(cfg.model, source.image_shape, source.num_classes)
     restore_weights(model, checkpoint)
     metadata = {

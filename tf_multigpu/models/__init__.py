@@ -6,6 +6,8 @@ logits. `--model=package.module:function` brings a user's own factory.
 
 import importlib
 
+import keras
+
 from tf_multigpu.errors import UsageError
 from tf_multigpu.models.alexnet import alexnet
 from tf_multigpu.models.small_convnet import small_convnet
@@ -32,12 +34,33 @@ def get_factory(name: str):
 
 
 def build_model(name: str, input_shape, num_classes, **kwargs):
-    """Builds the named model; checks that it maps the input to `num_classes` logits."""
-    model = get_factory(name)(tuple(input_shape), num_classes, **kwargs)
+    """Builds the named model; checks that it maps the input to `num_classes` logits.
+
+    A user's factory (package.module:function) that raises or returns something other than a
+    Keras model is a usage error naming it, not a traceback from deep inside the loop."""
+    factory = get_factory(name)
+    if name in REGISTRY:
+        model = factory(tuple(input_shape), num_classes, **kwargs)
+    else:
+        try:
+            model = factory(tuple(input_shape), num_classes, **kwargs)
+        except Exception as e:  # noqa: BLE001  any failure of the user's code is theirs to fix
+            reason = (str(e).strip().splitlines() or [""])[0][:200]
+            raise UsageError(f"--model={name}: the factory raised {type(e).__name__}({reason}) when called as "
+                             f"{attr_name(name)}(input_shape={tuple(input_shape)}, num_classes={num_classes}): "
+                             "give a function that takes these and returns a keras.Model") from None
+        if not isinstance(model, keras.Model):
+            raise UsageError(f"--model={name} returned {type(model).__name__}, not a keras.Model: give a function "
+                             "of (input_shape, num_classes) that returns a Keras model")
     out = tuple(model.output_shape)
     if out[-1] != num_classes:
         raise UsageError(f"--model={name} outputs shape {out}, not (batch, {num_classes}) logits")
     return model
+
+
+def attr_name(name: str) -> str:
+    """The function's name in a package.module:function --model value."""
+    return name.partition(":")[2]
 
 
 __all__ = ["REGISTRY", "get_factory", "build_model"]

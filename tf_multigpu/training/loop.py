@@ -17,6 +17,7 @@ import tensorflow as tf
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.data.pipeline import steps_per_epoch, test_dataset, train_dataset
+from tf_multigpu.data.throughput import InputCheck
 from tf_multigpu.errors import DoesNotFit, UsageError
 from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model, get_factory
@@ -39,7 +40,9 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     raises Preempted."""
     started = time.perf_counter()
     get_factory(cfg.model)   # an unknown model is reported before anything is built
-    source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size)
+    source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size, augment=cfg.augment,
+                         test_fraction=cfg.test_fraction, skip_bad_images=cfg.skip_bad_images,
+                         input_threads=cfg.input_threads)
     cfg, plan = resolve_strategy(cfg, devices, source)   # --strategy=auto: the planner's top plan
     par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh,
                            cfg.layout, cfg.layout_rules, runtime=runtime)
@@ -74,6 +77,9 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     test_data = par.distribute(lambda b: test_dataset(source, global_batch=cfg.batch_size, batch_size=b,
                                                       shard=par.input_shard))
     test_batches = math.ceil(source.num_test / cfg.batch_size)
+    input_check = InputCheck(lambda: train_dataset(   # this process's rows, timed alone, once
+        source, seed=cfg.seed, global_batch=cfg.batch_size, batch_size=cfg.batch_size // par.input_shard[1],
+        start_step=start, shard=par.input_shard), share=1 / par.input_shard[1])
     train_fn = par.compile(make_train_step(model, optimizer, cfg.batch_size, jit_compile=cfg.xla))
     eval_fn = par.compile(make_eval_step(model))
 
@@ -116,6 +122,8 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
                 "learning_rate": float(optimizer.learning_rate.numpy()),
             }
             _write_scalars(writer, "train", step, train_metrics)
+            if step - window > start and (note := input_check.verdict(train_metrics["examples_per_sec"])):
+                print(note, flush=True)   # once: the first timed window after warm-up that is input-bound
             shown = [("loss", train_metrics["loss"]), ("accuracy", train_metrics["accuracy"]),
                      ("examples/s", train_metrics["examples_per_sec"])]
             if step % eval_every == 0 or step == total_steps:
@@ -148,7 +156,7 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
         "model": cfg.model, "dataset": source.name, "global_batch": cfg.batch_size,
         **{k: train_metrics.get(k) for k in ("loss", "accuracy")}, **steady.summary(),
         **test_metrics, "wall_time_s": time.perf_counter() - started, "export_dir": export_dir,
-        "memory_per_device_bytes": memory,
+        "memory_per_device_bytes": memory, "skipped_images": len(source.skipped),
     }
     if profiler and profiler.report:
         summary["communication"] = {"mean": profiler.report["mean"], "report": paths.comm_report + ".md",
