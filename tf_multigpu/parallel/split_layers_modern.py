@@ -1,0 +1,261 @@
+"""Split-aware Keras layers for modern ConvNets (BatchNorm, merges, depthwise/grouped convs).
+
+Activations are NHWC (or [B, units]) with the batch on mesh axis `batch` and the channels
+either split on `model` or whole. What each stock layer needs on channel-split activations
+(tests/test_split_layers.py checks every row on 1x2 and 2x2 meshes against one device):
+
+  runs unchanged (PASS_THROUGH), output stays split, no `model` traffic:
+      BatchNormalization (per-channel statistics; DTensor's reduction over the batch-sharded
+      dim all-reduces them over `batch`, so they are the global batch's, moving averages
+      included), Activation, ReLU, Rescaling, ZeroPadding2D, GlobalAveragePooling2D,
+      GlobalMaxPooling2D, Dropout (rate 0 exact; rate > 0 draws its own masks, see
+      BUILD_NOTES), and any merge whose operands already share one layout.
+  replaced here (DTensor refuses the stock op on split channels):
+      AveragePooling2D  -> SliceAvgPool2D        (AvgPoolGrad has no layout propagation)
+      DepthwiseConv2D   -> SplitDepthwiseConv2D  (DepthwiseConv2dNativeBackprop* neither)
+      SeparableConv2D   -> SplitSeparableConv2D
+      Conv2D(groups>1)  -> SplitGroupedConv2D    (Conv2D refuses a sharded filter)
+  replaced to make a relayout deliberate and named (`relayout/<layer>/activations`):
+      Add, Subtract, Multiply, Average, Maximum, Minimum -> Split<Merge> (operands to one
+      layout: `split_output`), Concatenate -> GatherConcatenate (channel axis: gathered).
+
+Every class keeps its stock layer's weights, names and get_config (checkpoints stay
+interchangeable). `VARIABLE_SPECS` (class attribute; STOCK_VARIABLE_SPECS for stock layers)
+gives, in layouts.py's spec syntax, the layout each variable needs when the layer's input
+channels are split on `model`; `mesh` (and `split_output` for merges) are set by the
+placement plan right after construction, as for split_layers.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import keras
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tf_multigpu.errors import UsageError
+
+U = dtensor.UNSHARDED
+
+# Stock layers verified exact and layout-keeping on channel-split activations.
+PASS_THROUGH = (keras.layers.BatchNormalization, keras.layers.Activation, keras.layers.ReLU,
+                keras.layers.Rescaling, keras.layers.ZeroPadding2D, keras.layers.GlobalAveragePooling2D,
+                keras.layers.GlobalMaxPooling2D, keras.layers.Dropout)
+_BN_SPECS = {"gamma": "model", "beta": "model", "moving_mean": "model", "moving_variance": "model"}
+STOCK_VARIABLE_SPECS = {keras.layers.BatchNormalization: _BN_SPECS}
+
+
+def relayout_activations(x, mesh, split: bool, name: str):
+    """x relaid out to batch-sharded with its last (channel/unit) dim split on `model` or
+    whole, under the name scope the communication report counts. Split -> whole is an
+    all-gather of x's size in the forward (its gradient is a local slice); whole -> split is
+    a local slice in the forward and an all-gather of x's size in the backward (the gradient
+    of a whole tensor must be whole); same layout is a no-op."""
+    layout = dtensor.Layout(["batch"] + [U] * (len(x.shape) - 2) + ["model" if split else U], mesh)
+
+    @tf.custom_gradient
+    def relayout(x):
+        def grad(dy):   # back to x's layout, named too (whole -> split gathers here, backward).
+            # dy is pinned to the output layout first: DTensor's layout propagation would
+            # otherwise move the gather upstream, onto whichever op produced dy.
+            with tf.name_scope(f"relayout/{name}/activation_gradients"):
+                return dtensor.relayout_like(dtensor.relayout(dy, layout), x)
+        return dtensor.relayout(x, layout), grad
+
+    with tf.name_scope(f"relayout/{name}/activations"):
+        return relayout(x)
+
+
+class _OnMesh:
+    """Mixin: `mesh`, set by the placement plan after construction (these layers are only
+    built for a DTensor mesh; without one the relayout fails, it is never skipped)."""
+
+    mesh = None
+
+
+# -- pooling -------------------------------------------------------------------------------
+def _same_pads(n: int, k: int, s: int) -> tuple[int, int]:
+    """TensorFlow's SAME padding of one spatial dim (the extra cell goes bottom/right)."""
+    total = max((-(-n // s) - 1) * s + k - n, 0)
+    return total // 2, total - total // 2
+
+
+def _taps(x, kernel_size, strides, padding):
+    """The kh*kw strided slices [B, oh, ow, C] a kh x kw window at `strides` reads, in
+    (i, j) row-major order: slicing only H and W keeps any channel sharding of x."""
+    (kh, kw), (sh, sw) = kernel_size, strides
+    if padding == "same":
+        (pt, pb), (pl, pr) = _same_pads(x.shape[1], kh, sh), _same_pads(x.shape[2], kw, sw)
+        if pt or pb or pl or pr:
+            x = tf.pad(x, [[0, 0], [pt, pb], [pl, pr], [0, 0]])
+    oh, ow = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
+    return [x[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw, :]
+            for i in range(kh) for j in range(kw)]
+
+
+class _Nhwc:
+    """Mixin: checks at construction (when the plan swaps the layer in, before any step)
+    the geometry these layers implement: NHWC and, for convolutions, no dilation."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.data_format != "channels_last":
+            raise UsageError(f"layer {self.name}: split-aware layers need data_format='channels_last' (NHWC), "
+                             f"not {self.data_format!r}: build the model channels-last")
+        if tuple(getattr(self, "dilation_rate", (1, 1))) != (1, 1):
+            raise UsageError(f"layer {self.name}: dilation_rate={tuple(self.dilation_rate)} on channel-split "
+                             "activations is not supported: replicate the layer (keep its input whole)")
+
+
+class SliceAvgPool2D(_Nhwc, keras.layers.AveragePooling2D):
+    """Average pooling as the sum of pool_size^2 strided slices over the count of non-padded
+    cells (Keras/TF 'same' semantics): exact, layout-preserving, no communication."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {}
+
+    def call(self, inputs):
+        taps = _taps(inputs, self.pool_size, self.strides, self.padding)
+        total = tf.add_n(taps)
+        if self.padding == "valid":
+            return total / float(len(taps))
+        # Cells per window that are not padding (fewer at the edges): a constant, as Keras'.
+        ones = tf.ones((1, inputs.shape[1], inputs.shape[2], 1), total.dtype)
+        return total / tf.add_n(_taps(ones, self.pool_size, self.strides, "same"))
+
+
+# -- merges --------------------------------------------------------------------------------
+class _OneLayout(_OnMesh):
+    """Merge mixin: every operand is relaid out to the output's layout first (named), so
+    DTensor never picks a silent relayout of its own. `split_output` (set by the plan):
+    True keeps channels split (a whole operand is sliced locally, and its gradient
+    all-gathered in the backward), False gathers split operands in the forward."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {}
+    split_output = True
+
+    def call(self, inputs):
+        return super().call([relayout_activations(x, self.mesh, self.split_output, self.name) for x in inputs])
+
+
+class SplitAdd(_OneLayout, keras.layers.Add):
+    """Add (e.g. a ResNet shortcut) with its operands brought to one layout."""
+
+
+class SplitSubtract(_OneLayout, keras.layers.Subtract):
+    """Subtract with its operands brought to one layout."""
+
+
+class SplitMultiply(_OneLayout, keras.layers.Multiply):
+    """Multiply (e.g. squeeze-and-excitation) with its operands brought to one layout."""
+
+
+class SplitAverage(_OneLayout, keras.layers.Average):
+    """Average with its operands brought to one layout."""
+
+
+class SplitMaximum(_OneLayout, keras.layers.Maximum):
+    """Maximum with its operands brought to one layout."""
+
+
+class SplitMinimum(_OneLayout, keras.layers.Minimum):
+    """Minimum with its operands brought to one layout."""
+
+
+class GatherConcatenate(_OnMesh, keras.layers.Concatenate):
+    """Concatenate of channel-split operands. On the channel axis every operand is gathered
+    first (named): concatenating the local shards would interleave the operands' channels
+    (device d would hold [a_d, b_d], not a contiguous block of [a, b]). On another axis the
+    operands only need one layout, kept split (`split_output`)."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {}
+    split_output = True
+
+    def call(self, inputs):
+        on_channels = self.axis % len(inputs[0].shape) == len(inputs[0].shape) - 1
+        split = self.split_output and not on_channels
+        return super().call([relayout_activations(x, self.mesh, split, self.name) for x in inputs])
+
+
+MERGES = {keras.layers.Add: SplitAdd, keras.layers.Subtract: SplitSubtract, keras.layers.Multiply: SplitMultiply,
+          keras.layers.Average: SplitAverage, keras.layers.Maximum: SplitMaximum,
+          keras.layers.Minimum: SplitMinimum, keras.layers.Concatenate: GatherConcatenate}
+
+
+# -- convolutions on split channels ------------------------------------------------------
+def _kernel_taps(kernel):
+    """kernel [kh, kw, ...] -> kh*kw tensors [...] in _taps order. tf.split keeps a sharding
+    of the trailing dims; `kernel[i, j]` would silently replicate the whole kernel."""
+    kh, kw = kernel.shape[0], kernel.shape[1]
+    flat = tf.reshape(kernel, [kh * kw, *kernel.shape[2:]])
+    return [tf.squeeze(t, 0) for t in tf.split(flat, kh * kw, axis=0)]
+
+
+def depthwise_conv2d(x, kernel, strides, padding):
+    """Exact depthwise convolution (NHWC, kernel [kh, kw, C, mult], Keras channel order
+    c * mult + m) from shifted slices times per-tap weights: with x and kernel split on C,
+    every op is local (no communication) and the output is split on channels."""
+    kh, kw, c, mult = kernel.shape
+    taps, weights = _taps(x, (kh, kw), strides, padding), _kernel_taps(kernel)
+    if mult == 1:
+        return tf.add_n([t * tf.reshape(w, [c]) for t, w in zip(taps, weights)])
+    out = tf.add_n([t[..., None] * w for t, w in zip(taps, weights)])   # [B, oh, ow, C, mult]
+    return tf.reshape(out, [-1, out.shape[1], out.shape[2], c * mult])
+
+
+class SplitDepthwiseConv2D(_Nhwc, _OnMesh, keras.layers.DepthwiseConv2D):
+    """DepthwiseConv2D on channel-split activations, kernel split on its channel dim:
+    no communication (each device convolves its own channels)."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {"kernel": "-,-,model,-", "bias": "model"}
+
+    def call(self, inputs):
+        out = depthwise_conv2d(inputs, self.kernel, self.strides, self.padding)
+        if self.use_bias:
+            out = out + self.bias
+        return self.activation(out) if self.activation is not None else out
+
+
+class SplitSeparableConv2D(_Nhwc, _OnMesh, keras.layers.SeparableConv2D):
+    """SeparableConv2D on channel-split activations: the depthwise part is local; the
+    pointwise kernel is split on its input channels, so the 1x1 contraction over them ends
+    in ONE all-reduce (sum) over `model` of the output ([B, oh, ow, filters], whole)."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {"depthwise_kernel": "-,-,model,-", "pointwise_kernel": "-,-,model,-"}
+
+    def call(self, inputs):
+        out = depthwise_conv2d(inputs, self.depthwise_kernel, self.strides, self.padding)
+        with tf.name_scope(f"allreduce/{self.name}/activations"):   # the one `model` collective
+            out = tf.einsum("bhwc,cf->bhwf", out, tf.reshape(self.pointwise_kernel, self.pointwise_kernel.shape[2:]))
+        if self.use_bias:
+            out = out + self.bias
+        return self.activation(out) if self.activation is not None else out
+
+
+def grouped_conv2d(x, kernel, groups, strides, padding):
+    """Exact grouped convolution (NHWC, kernel [kh, kw, C/groups, F], group g reading input
+    channels and writing filters in its g-th contiguous block, as tf.nn.conv2d) from shifted
+    slices and one einsum per tap over a [.., groups, C/groups] view. With x split on C and
+    the kernel on F, and groups divisible by the model axis, each device holds whole groups:
+    every op is local and the output is split on channels."""
+    kh, kw, cg, f = kernel.shape
+    taps, weights = _taps(x, (kh, kw), strides, padding), _kernel_taps(kernel)
+    out = tf.add_n([tf.einsum("bhwgc,cgf->bhwgf", tf.reshape(t, [-1, t.shape[1], t.shape[2], groups, cg]),
+                              tf.reshape(w, [cg, groups, f // groups]))
+                    for t, w in zip(taps, weights)])
+    return tf.reshape(out, [-1, out.shape[1], out.shape[2], f])
+
+
+class SplitGroupedConv2D(_Nhwc, _OnMesh, keras.layers.Conv2D):
+    """Conv2D with groups > 1 on channel-split activations, kernel split on its filters:
+    no communication when the model axis divides `groups` (the plan checks it)."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {"kernel": "-,-,-,model", "bias": "model"}
+
+    def convolution_op(self, inputs, kernel):
+        return grouped_conv2d(inputs, kernel, self.groups, self.strides, self.padding)
+
+
+# Stock class -> its split-aware twin, for the placement plan (Conv2D only when groups > 1).
+SPLIT_AWARE = {keras.layers.AveragePooling2D: SliceAvgPool2D, keras.layers.DepthwiseConv2D: SplitDepthwiseConv2D,
+               keras.layers.SeparableConv2D: SplitSeparableConv2D, **MERGES}
