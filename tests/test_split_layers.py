@@ -324,3 +324,27 @@ def test_unsupported_geometry_is_a_one_line_error_with_the_fix(make):
     with pytest.raises(UsageError, match="layer layer: .*: (replicate|build)") as e:
         make()
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("b,m", MESHES)
+def test_a_mobilenet_v2_like_block_on_split_channels_equals_one_device(devices, b, m):
+    """The layers together, as the plan will chain them: ZeroPadding2D, a 3x3/2 depthwise
+    conv, BatchNorm (training), ReLU6, a residual Add with an average-pooled shortcut, global
+    average pooling, all on split channels: exact, and no `model` traffic at all."""
+    mesh = _mesh(devices, b, m)
+
+    def block(split):
+        inp = keras.Input((16, 16, 8))
+        x = keras.layers.ZeroPadding2D(((0, 1), (0, 1)))(inp)
+        dw = (M.SplitDepthwiseConv2D if split else keras.layers.DepthwiseConv2D)(3, 2, use_bias=False, name="dw")
+        x = keras.layers.ReLU(6.0)(keras.layers.BatchNormalization(name="bn")(dw(x)))
+        pool = (M.SliceAvgPool2D if split else keras.layers.AveragePooling2D)(2, name="pool")
+        add = (M.SplitAdd if split else keras.layers.Add)(name="add")
+        for layer in (dw, pool, add):
+            layer.mesh = mesh
+        x = add([x, pool(inp)])
+        return keras.Model(inp, keras.layers.GlobalAveragePooling2D()(x), name="block")
+
+    specs = {**M.SplitDepthwiseConv2D.VARIABLE_SPECS, **M.STOCK_VARIABLE_SPECS[keras.layers.BatchNormalization]}
+    check_parity(devices, lambda: block(False), lambda: block(True), [_x((4, 16, 16, 8))], [SPLIT4], b, m,
+                 ["batch", "model"], specs, training=True, communicates=False)
