@@ -125,6 +125,8 @@ def check_parity(devices, stock, split, inputs, in_specs, b, m, out_specs, varia
     xs = [_put(mesh, x, s) for x, s in zip(inputs, in_specs)]
     y, dxs, dws = step(*xs)
     assert dtensor.fetch_layout(y).sharding_specs == out_specs, "output relaid out (a silent gather?)"
+    if hasattr(got_layer, "SPLITS_OUTPUT"):   # what the class tells the placement plan
+        assert got_layer.SPLITS_OUTPUT == (out_specs[-1] == "model")
     _close(_full(mesh, y), want[0].numpy(), "output")
     for i, (g, w) in enumerate(zip(dxs, want[1])):
         assert dtensor.fetch_layout(g).sharding_specs == in_specs[i], f"input {i} gradient relaid out"

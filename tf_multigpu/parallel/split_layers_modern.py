@@ -22,8 +22,9 @@ either split on `model` or whole. What each stock layer needs on channel-split a
 Every class keeps its stock layer's weights, names and get_config (checkpoints stay
 interchangeable). `VARIABLE_SPECS` (class attribute; STOCK_VARIABLE_SPECS for stock layers)
 gives, in layouts.py's spec syntax, the layout each variable needs when the layer's input
-channels are split on `model`; `mesh` (and `split_output` for merges) are set by the
-placement plan right after construction, as for split_layers.
+channels are split on `model`; `SPLITS_OUTPUT` whether the output is then split on channels
+(for merges, the instance's `split_output`). `mesh` (and `split_output` for merges) are set by
+the placement plan right after construction, as for split_layers.
 """
 
 from __future__ import annotations
@@ -190,6 +191,7 @@ class SliceAvgPool2D(_Nhwc, keras.layers.AveragePooling2D):
     cells (Keras/TF 'same' semantics): exact, layout-preserving, no communication."""
 
     VARIABLE_SPECS: ClassVar[dict] = {}
+    SPLITS_OUTPUT = True
 
     def call(self, inputs):
         total = window_sum(inputs, None, self.pool_size, self.strides, self.padding)
@@ -275,6 +277,7 @@ class SplitDepthwiseConv2D(_Nhwc, _OnMesh, keras.layers.DepthwiseConv2D):
     no communication (each device convolves its own channels)."""
 
     VARIABLE_SPECS: ClassVar[dict] = {"kernel": "-,-,model,-", "bias": "model"}
+    SPLITS_OUTPUT = True
 
     def call(self, inputs):
         out = depthwise_conv2d(inputs, self.kernel, self.strides, self.padding)
@@ -289,6 +292,7 @@ class SplitSeparableConv2D(_Nhwc, _OnMesh, keras.layers.SeparableConv2D):
     in ONE all-reduce (sum) over `model` of the output ([B, oh, ow, filters], whole)."""
 
     VARIABLE_SPECS: ClassVar[dict] = {"depthwise_kernel": "-,-,model,-", "pointwise_kernel": "-,-,model,-"}
+    SPLITS_OUTPUT = False   # the pointwise all-reduce leaves the output whole
 
     def call(self, inputs):
         out = depthwise_conv2d(inputs, self.depthwise_kernel, self.strides, self.padding)
@@ -326,6 +330,7 @@ class SplitGroupedConv2D(_Nhwc, _OnMesh, keras.layers.Conv2D):
     no communication when the model axis divides `groups` (the plan checks it)."""
 
     VARIABLE_SPECS: ClassVar[dict] = {"kernel": "-,-,-,model", "bias": "model"}
+    SPLITS_OUTPUT = True
 
     def convolution_op(self, inputs, kernel):
         return grouped_conv2d(inputs, kernel, self.groups, self.strides, self.padding)
