@@ -201,7 +201,9 @@ def test_dropout_on_split_channels_draws_a_valid_mask_per_shard(devices, b, m):
 
 # -- c) AveragePooling2D -----------------------------------------------------------------
 AVG_POOL = {
-    "2x2_valid": {"pool_size": 2},
+    "2x2_valid": {"pool_size": 2},   # tiling windows on the 9x9 map: the last row/column is not read
+    "3x3_s3_valid": {"pool_size": 3},   # tiling windows, 9 -> 3
+    "3x3_s2_valid": {"pool_size": 3, "strides": 2},   # overlapping windows
     "3x3_s2_same_odd": {"pool_size": 3, "strides": 2, "padding": "same"},   # edge windows count 4 or 6 cells
     "2x3_s1_same": {"pool_size": (2, 3), "strides": 1, "padding": "same"},
 }
@@ -350,3 +352,11 @@ def test_a_mobilenet_v2_like_block_on_split_channels_equals_one_device(devices, 
     specs = {**M.SplitDepthwiseConv2D.VARIABLE_SPECS, **M.STOCK_VARIABLE_SPECS[keras.layers.BatchNormalization]}
     check_parity(devices, lambda: block(False), lambda: block(True), [_x((4, 16, 16, 8))], [SPLIT4], b, m,
                  ["batch", "model"], specs, training=True, communicates=False)
+
+
+def test_grouped_conv_whose_groups_do_not_divide_the_model_axis_is_refused(devices):
+    layer = M.SplitGroupedConv2D(6, 3, groups=3, name="layer")
+    layer.mesh = _mesh(devices, 1, 2)
+    with pytest.raises(UsageError, match="layer layer: groups=3 does not divide by the 2 devices .*: replicate") as e:
+        layer.build((1, 8, 8, 6))
+    assert "\n" not in str(e.value)
