@@ -22,7 +22,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 flags.DEFINE_integer("batch", 16, "Batch size of every case.")
 flags.DEFINE_integer("repeats", 7, "Timed calls per variant (interleaved); the fastest is reported.")
