@@ -149,12 +149,13 @@ def _x(shape=(4, 9, 9, 8), seed=0):
 
 # -- a) BatchNormalization: stock Keras, variables split with the channels -------------------
 @pytest.mark.parametrize("b,m", MESHES)
-@pytest.mark.parametrize("training", [True, False])
-def test_batchnorm_on_split_channels_equals_one_device(devices, b, m, training):
+@pytest.mark.parametrize("training,synchronized", [(True, False), (False, False), (True, True)])
+def test_batchnorm_on_split_channels_equals_one_device(devices, b, m, training, synchronized):
     """Training mode: statistics over the GLOBAL batch (a 2x2 mesh holds half the batch per
     device, so per-replica statistics would differ), moving averages updated as on one device,
-    no `model` traffic; inference mode uses the moving statistics."""
-    bn = lambda: keras.layers.BatchNormalization(momentum=0.9, name="bn")
+    no `model` traffic; inference mode uses the moving statistics. `synchronized=True` (what
+    data parallelism may set) changes nothing on a mesh."""
+    bn = lambda: keras.layers.BatchNormalization(momentum=0.9, synchronized=synchronized, name="bn")
     specs = M.STOCK_VARIABLE_SPECS[keras.layers.BatchNormalization]
     check_parity(devices, bn, bn, [_x()], [SPLIT4], b, m, SPLIT4, specs, training=training)
 
