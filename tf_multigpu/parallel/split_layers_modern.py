@@ -1,0 +1,353 @@
+"""Split-aware Keras layers for modern ConvNets (BatchNorm, merges, depthwise/grouped convs).
+
+Activations are NHWC (or [B, units]) with the batch on mesh axis `batch` and the channels
+either split on `model` or whole. What each stock layer needs on channel-split activations
+(tests/test_split_layers.py checks every row on 1x2 and 2x2 meshes against one device):
+
+  runs unchanged (PASS_THROUGH), output stays split, no `model` traffic:
+      BatchNormalization (per-channel statistics; DTensor's reduction over the batch-sharded
+      dim all-reduces them over `batch`, so they are the global batch's, moving averages
+      included), Activation, ReLU, Rescaling, ZeroPadding2D, GlobalAveragePooling2D,
+      GlobalMaxPooling2D, Dropout (rate 0 exact; rate > 0 draws its own masks, see
+      BUILD_NOTES), and any merge whose operands already share one layout.
+  replaced here (DTensor refuses the stock op on split channels):
+      AveragePooling2D  -> SliceAvgPool2D        (AvgPoolGrad has no layout propagation)
+      DepthwiseConv2D   -> SplitDepthwiseConv2D  (DepthwiseConv2dNativeBackprop* neither)
+      SeparableConv2D   -> SplitSeparableConv2D
+      Conv2D(groups>1)  -> SplitGroupedConv2D    (Conv2D refuses a sharded filter)
+  replaced to make a relayout deliberate and named (`relayout/<layer>/activations`):
+      Add, Subtract, Multiply, Average, Maximum, Minimum -> Split<Merge> (operands to one
+      layout: `split_output`), Concatenate -> GatherConcatenate (channel axis: gathered).
+
+Every class keeps its stock layer's weights, names and get_config (checkpoints stay
+interchangeable). `VARIABLE_SPECS` (class attribute; STOCK_VARIABLE_SPECS for stock layers)
+gives, in layouts.py's spec syntax, the layout each variable needs when the layer's input
+channels are split on `model`; `SPLITS_OUTPUT` whether the output is then split on channels
+(for merges, the instance's `split_output`). `mesh` (and `split_output` for merges) are set by
+the placement plan right after construction, as for split_layers.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import keras
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tf_multigpu.errors import UsageError
+
+U = dtensor.UNSHARDED
+
+# Stock layers verified exact and layout-keeping on channel-split activations.
+PASS_THROUGH = (keras.layers.BatchNormalization, keras.layers.Activation, keras.layers.ReLU,
+                keras.layers.Rescaling, keras.layers.ZeroPadding2D, keras.layers.GlobalAveragePooling2D,
+                keras.layers.GlobalMaxPooling2D, keras.layers.Dropout)
+_BN_SPECS = {"gamma": "model", "beta": "model", "moving_mean": "model", "moving_variance": "model"}
+STOCK_VARIABLE_SPECS = {keras.layers.BatchNormalization: _BN_SPECS}
+
+
+def relayout_activations(x, mesh, split: bool, name: str):
+    """x relaid out to batch-sharded with its last (channel/unit) dim split on `model` or
+    whole, under the name scope the communication report counts. Split -> whole is an
+    all-gather of x's size in the forward (its gradient is a local slice); whole -> split is
+    a local slice in the forward and an all-gather of x's size in the backward (the gradient
+    of a whole tensor must be whole); same layout is a no-op."""
+    layout = dtensor.Layout(["batch"] + [U] * (len(x.shape) - 2) + ["model" if split else U], mesh)
+
+    @tf.custom_gradient
+    def relayout(x):
+        def grad(dy):   # back to x's layout, named too (whole -> split gathers here, backward).
+            # dy is pinned to the output layout first: DTensor's layout propagation would
+            # otherwise move the gather upstream, onto whichever op produced dy.
+            with tf.name_scope(f"relayout/{name}/activation_gradients"):
+                return dtensor.relayout_like(dtensor.relayout(dy, layout), x)
+        return dtensor.relayout(x, layout), grad
+
+    with tf.name_scope(f"relayout/{name}/activations"):
+        return relayout(x)
+
+
+class _OnMesh:
+    """Mixin: `mesh`, set by the placement plan after construction (these layers are only
+    built for a DTensor mesh; without one the relayout fails, it is never skipped)."""
+
+    mesh = None
+
+
+# -- pooling -------------------------------------------------------------------------------
+def _same_pads(n: int, k: int, s: int) -> tuple[int, int]:
+    """TensorFlow's SAME padding of one spatial dim (the extra cell goes bottom/right)."""
+    total = max((-(-n // s) - 1) * s + k - n, 0)
+    return total // 2, total - total // 2
+
+
+def _pads(x, kernel_size, strides, padding):
+    """((top, bottom), (left, right)) zero padding of x's H and W for `padding`."""
+    if padding == "valid":
+        return (0, 0), (0, 0)
+    return tuple(_same_pads(n, k, s) for n, k, s in zip(x.shape[1:3], kernel_size, strides))
+
+
+def _taps(x, kernel_size, strides, padding):
+    """The kh*kw slices [B, oh, ow, ...] a kh x kw window at `strides` reads, in (i, j)
+    row-major order. Only H and W are sliced, so any channel sharding of x is kept.
+
+    A strided window is read through the stride-phase view [B, H/sh, sh, W/sw, sw, ...] (a
+    reshape), where every tap is a unit-stride slice: TensorFlow's CPU StridedSlice with
+    stride 2 measured ~4x slower than the copy of a plain slice.
+    """
+    (kh, kw), (sh, sw) = kernel_size, strides
+    (pt, pb), (pl, pr) = _pads(x, kernel_size, strides, padding)
+    rest = [[0, 0]] * (len(x.shape) - 3)
+    if pt or pb or pl or pr:
+        x = tf.pad(x, [[0, 0], [pt, pb], [pl, pr], *rest])
+    oh, ow = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
+    if sh == sw == 1:
+        return [x[:, i:i + oh, j:j + ow] for i in range(kh) for j in range(kw)]
+    hs, ws = oh - 1 + -(-kh // sh), ow - 1 + -(-kw // sw)   # phase-grid rows/cols the taps read
+    x = x[:, :hs * sh, :ws * sw]
+    x = tf.pad(x, [[0, 0], [0, hs * sh - x.shape[1]], [0, ws * sw - x.shape[2]], *rest])
+    rest = list(x.shape[3:])
+    x = tf.reshape(x, [-1, hs, sh, ws, sw, *rest])
+    # tf.slice + reshape: an integer index (a shrink-axis strided slice) silently replicates
+    # a channel-split tensor under DTensor.
+    return [tf.reshape(tf.slice(x, [0, i // sh, i % sh, j // sw, j % sw] + [0] * len(rest),
+                                [-1, oh, 1, ow, 1, *rest]), [-1, oh, ow, *rest])
+            for i in range(kh) for j in range(kw)]
+
+
+def window_sum(x, weights, kernel_size, strides, padding):
+    """sum over the kh*kw window taps t of tap_t(x) * weights[t] (weights None: all ones),
+    with a hand-written gradient.
+
+    x is [B, H, W, ...], weights [kh*kw, ...] broadcasting against x's trailing dims. Autodiff
+    of the strided slices would build one full-size StridedSliceGrad tensor per tap (measured
+    15x-66x the stock op's time); instead dx is the adjoint as a stride-1 correlation of the dilated,
+    padded dy with the flipped taps (plain slices again), and dweights one reduction per tap.
+    Every op slices or reduces H, W or the batch only, so a channel sharding is kept and the
+    only collective is the batch all-reduce of dweights (summed once, not per tap).
+    """
+    (kh, kw), (sh, sw) = kernel_size, strides
+    h, w = x.shape[1], x.shape[2]
+    (pt, _), (pl, _) = _pads(x, kernel_size, strides, padding)
+    ones = weights is None
+
+    def forward(x, weights):
+        taps = _taps(x, kernel_size, strides, padding)
+        per_tap = None if ones else [tf.squeeze(t, 0) for t in tf.split(weights, kh * kw, axis=0)]
+        y = tf.add_n(taps if ones else [t * wt for t, wt in zip(taps, per_tap)])
+
+        def grad(dy):
+            oh, ow, rest = dy.shape[1], dy.shape[2], list(dy.shape[3:])
+            d = dy
+            if sh > 1 or sw > 1:   # dy at every s-th cell: the input positions tap 0 read
+                d = tf.reshape(d, [-1, oh, 1, ow, 1, *rest])
+                d = tf.pad(d, [[0, 0], [0, 0], [0, sh - 1], [0, 0], [0, sw - 1]] + [[0, 0]] * len(rest))
+                d = tf.reshape(d, [-1, oh * sh, ow * sw, *rest])
+            d = tf.pad(d, [[0, 0], [kh - 1, max(0, pt + h - oh * sh)], [kw - 1, max(0, pl + w - ow * sw)]]
+                       + [[0, 0]] * len(rest))
+            flipped = [d[:, pt + kh - 1 - i:pt + kh - 1 - i + h, pl + kw - 1 - j:pl + kw - 1 - j + w]
+                       for i in range(kh) for j in range(kw)]
+            if ones:
+                return tf.add_n(flipped), None
+            dx = tf.add_n([f * wt for f, wt in zip(flipped, per_tap)])
+            if dx.shape.rank > x.shape.rank or dx.shape[-1] != x.shape[-1]:   # a multiplier broadcast x
+                dx = tf.reduce_sum(dx, axis=-1, keepdims=True)
+            # [B, 1, ...] per tap. expand_dims, not [:, None]: that strided slice segfaults
+            # DTensor's SPMD expansion (TF 2.21) on a channel-split tensor.
+            partial = [tf.expand_dims(tf.reduce_sum(t * dy, axis=[1, 2]), 1) for t in taps]
+            return dx, tf.reduce_sum(tf.concat(partial, axis=1), axis=0)
+
+        return y, grad
+
+    if not ones:
+        return tf.custom_gradient(forward)(x, weights)
+
+    @tf.custom_gradient
+    def pool(x):
+        y, grad = forward(x, None)
+        return y, lambda dy: grad(dy)[0]
+
+    return pool(x)
+
+
+class _Nhwc:
+    """Mixin: checks at construction (when the plan swaps the layer in, before any step)
+    the geometry these layers implement: NHWC and, for convolutions, no dilation."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.data_format != "channels_last":
+            raise UsageError(f"layer {self.name}: split-aware layers need data_format='channels_last' (NHWC), "
+                             f"not {self.data_format!r}: build the model channels-last")
+        if tuple(getattr(self, "dilation_rate", (1, 1))) != (1, 1):
+            raise UsageError(f"layer {self.name}: dilation_rate={tuple(self.dilation_rate)} on channel-split "
+                             "activations is not supported: replicate the layer (keep its input whole)")
+
+
+class SliceAvgPool2D(_Nhwc, keras.layers.AveragePooling2D):
+    """Average pooling as the sum of pool_size^2 strided slices over the count of non-padded
+    cells (Keras/TF 'same' semantics): exact, layout-preserving, no communication."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {}
+    SPLITS_OUTPUT = True
+
+    def call(self, inputs):
+        (kh, kw), (sh, sw) = self.pool_size, self.strides
+        if self.padding == "valid" and (kh, kw) == (sh, sw):   # tiling windows: a mean over a reshape
+            oh, ow = inputs.shape[1] // kh, inputs.shape[2] // kw
+            x = tf.reshape(inputs[:, :oh * kh, :ow * kw], [-1, oh, kh, ow, kw, inputs.shape[3]])
+            return tf.reduce_mean(x, axis=[2, 4])
+        total = window_sum(inputs, None, self.pool_size, self.strides, self.padding)
+        if self.padding == "valid":
+            return total / float(self.pool_size[0] * self.pool_size[1])
+        # Cells per window that are not padding (fewer at the edges): a constant, as Keras'.
+        ones = tf.ones((1, inputs.shape[1], inputs.shape[2], 1), total.dtype)
+        return total / tf.add_n(_taps(ones, self.pool_size, self.strides, "same"))
+
+
+# -- merges --------------------------------------------------------------------------------
+class _OneLayout(_OnMesh):
+    """Merge mixin: every operand is relaid out to the output's layout first (named), so
+    DTensor never picks a silent relayout of its own. `split_output` (set by the plan):
+    True keeps channels split (a whole operand is sliced locally, and its gradient
+    all-gathered in the backward), False gathers split operands in the forward."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {}
+    split_output = True
+
+    def call(self, inputs):
+        return super().call([relayout_activations(x, self.mesh, self.split_output, self.name) for x in inputs])
+
+
+class SplitAdd(_OneLayout, keras.layers.Add):
+    """Add (e.g. a ResNet shortcut) with its operands brought to one layout."""
+
+
+class SplitSubtract(_OneLayout, keras.layers.Subtract):
+    """Subtract with its operands brought to one layout."""
+
+
+class SplitMultiply(_OneLayout, keras.layers.Multiply):
+    """Multiply (e.g. squeeze-and-excitation) with its operands brought to one layout."""
+
+
+class SplitAverage(_OneLayout, keras.layers.Average):
+    """Average with its operands brought to one layout."""
+
+
+class SplitMaximum(_OneLayout, keras.layers.Maximum):
+    """Maximum with its operands brought to one layout."""
+
+
+class SplitMinimum(_OneLayout, keras.layers.Minimum):
+    """Minimum with its operands brought to one layout."""
+
+
+class GatherConcatenate(_OnMesh, keras.layers.Concatenate):
+    """Concatenate of channel-split operands. On the channel axis every operand is gathered
+    first (named): concatenating the local shards would interleave the operands' channels
+    (device d would hold [a_d, b_d], not a contiguous block of [a, b]). On another axis the
+    operands only need one layout, kept split (`split_output`)."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {}
+    split_output = True
+
+    def call(self, inputs):
+        on_channels = self.axis % len(inputs[0].shape) == len(inputs[0].shape) - 1
+        split = self.split_output and not on_channels
+        return super().call([relayout_activations(x, self.mesh, split, self.name) for x in inputs])
+
+
+MERGES = {keras.layers.Add: SplitAdd, keras.layers.Subtract: SplitSubtract, keras.layers.Multiply: SplitMultiply,
+          keras.layers.Average: SplitAverage, keras.layers.Maximum: SplitMaximum,
+          keras.layers.Minimum: SplitMinimum, keras.layers.Concatenate: GatherConcatenate}
+
+
+# -- convolutions on split channels ------------------------------------------------------
+def depthwise_conv2d(x, kernel, strides, padding):
+    """Exact depthwise convolution (NHWC, kernel [kh, kw, C, mult], Keras channel order
+    c * mult + m) as a window_sum with per-tap weights: with x and kernel split on C, every
+    op is local (no `model` communication) and the output is split on channels."""
+    kh, kw, c, mult = kernel.shape
+    if mult == 1:
+        return window_sum(x, tf.reshape(kernel, [kh * kw, c]), (kh, kw), strides, padding)
+    out = window_sum(tf.expand_dims(x, -1), tf.reshape(kernel, [kh * kw, c, mult]), (kh, kw), strides, padding)
+    return tf.reshape(out, [-1, out.shape[1], out.shape[2], c * mult])
+
+
+class SplitDepthwiseConv2D(_Nhwc, _OnMesh, keras.layers.DepthwiseConv2D):
+    """DepthwiseConv2D on channel-split activations, kernel split on its channel dim:
+    no communication (each device convolves its own channels)."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {"kernel": "-,-,model,-", "bias": "model"}
+    SPLITS_OUTPUT = True
+
+    def call(self, inputs):
+        out = depthwise_conv2d(inputs, self.kernel, self.strides, self.padding)
+        if self.use_bias:
+            out = out + self.bias
+        return self.activation(out) if self.activation is not None else out
+
+
+class SplitSeparableConv2D(_Nhwc, _OnMesh, keras.layers.SeparableConv2D):
+    """SeparableConv2D on channel-split activations: the depthwise part is local; the
+    pointwise kernel is split on its input channels, so the 1x1 contraction over them ends
+    in ONE all-reduce (sum) over `model` of the output ([B, oh, ow, filters], whole)."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {"depthwise_kernel": "-,-,model,-", "pointwise_kernel": "-,-,model,-"}
+    SPLITS_OUTPUT = False   # the pointwise all-reduce leaves the output whole
+
+    def call(self, inputs):
+        out = depthwise_conv2d(inputs, self.depthwise_kernel, self.strides, self.padding)
+        with tf.name_scope(f"allreduce/{self.name}/activations"):   # the one `model` collective
+            out = tf.einsum("bhwc,cf->bhwf", out, tf.reshape(self.pointwise_kernel, self.pointwise_kernel.shape[2:]))
+        if self.use_bias:
+            out = out + self.bias
+        return self.activation(out) if self.activation is not None else out
+
+
+def _kernel_taps(kernel):
+    """kernel [kh, kw, ...] -> kh*kw tensors [...] in _taps order. tf.split keeps a sharding
+    of the trailing dims; `kernel[i, j]` would silently replicate the whole kernel."""
+    kh, kw = kernel.shape[0], kernel.shape[1]
+    flat = tf.reshape(kernel, [kh * kw, *kernel.shape[2:]])
+    return [tf.squeeze(t, 0) for t in tf.split(flat, kh * kw, axis=0)]
+
+
+def grouped_conv2d(x, kernel, groups, strides, padding):
+    """Exact grouped convolution (NHWC, kernel [kh, kw, C/groups, F], group g reading input
+    channels and writing filters in its g-th contiguous block, as tf.nn.conv2d) from shifted
+    slices and one einsum per tap over a [.., groups, C/groups] view. With x split on C and
+    the kernel on F, and groups divisible by the model axis, each device holds whole groups:
+    every op is local and the output is split on channels."""
+    kh, kw, cg, f = kernel.shape
+    taps, weights = _taps(x, (kh, kw), strides, padding), _kernel_taps(kernel)
+    out = tf.add_n([tf.einsum("bhwgc,cgf->bhwgf", tf.reshape(t, [-1, t.shape[1], t.shape[2], groups, cg]),
+                              tf.reshape(w, [cg, groups, f // groups]))
+                    for t, w in zip(taps, weights)])
+    return tf.reshape(out, [-1, out.shape[1], out.shape[2], f])
+
+
+class SplitGroupedConv2D(_Nhwc, _OnMesh, keras.layers.Conv2D):
+    """Conv2D with groups > 1 on channel-split activations, kernel split on its filters:
+    no communication; the model axis must divide `groups` (checked when built)."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {"kernel": "-,-,-,model", "bias": "model"}
+    SPLITS_OUTPUT = True
+
+    def build(self, input_shape):
+        m = self.mesh.dim_size("model") if self.mesh is not None else 1
+        if self.groups % m:
+            raise UsageError(f"layer {self.name}: groups={self.groups} does not divide by the {m} devices of the "
+                             "model axis (each must hold whole groups): replicate the layer or change --mesh")
+        super().build(input_shape)
+
+    def convolution_op(self, inputs, kernel):
+        return grouped_conv2d(inputs, kernel, self.groups, self.strides, self.padding)
+
+
+# Stock class -> its split-aware twin, for the placement plan (Conv2D only when groups > 1).
+SPLIT_AWARE = {keras.layers.AveragePooling2D: SliceAvgPool2D, keras.layers.DepthwiseConv2D: SplitDepthwiseConv2D,
+               keras.layers.SeparableConv2D: SplitSeparableConv2D, **MERGES}
