@@ -36,7 +36,7 @@ from tensorflow.experimental import dtensor
 
 from tf_multigpu.compat import keras_name_scope_path
 from tf_multigpu.errors import UsageError
-from tf_multigpu.parallel import split_layers
+from tf_multigpu.parallel import split_layers, split_layers_modern
 from tf_multigpu.parallel.layouts import UNSPLIT
 from tf_multigpu.parallel.placement import PlacementPlan, make_plan
 
@@ -173,6 +173,8 @@ class DTensorParallelism:
             new.mesh = self.mesh
             if placed.kernel_split:
                 new.need_input_grad = placed.needs_input_grad   # nothing upstream to send a gradient to
+            if placed.merge_layout:
+                new.split_output = placed.out_layout != "whole"
             return new
 
         return convert
@@ -214,7 +216,7 @@ class DTensorParallelism:
 def _implementation(name: str, stock: type) -> type:
     """The split-aware class the plan names: one of `split_layers`, or, for a weightless
     layer that needs its whole input ("Gather<Class>"), the stock class after a named gather."""
-    cls = getattr(split_layers, name, None)
+    cls = getattr(split_layers, name, None) or getattr(split_layers_modern, name, None)
     if cls is not None:
         return cls
     if name == f"Gather{stock.__name__}" and issubclass(stock, keras.layers.Layer):

@@ -17,11 +17,18 @@ Implementations. A layer runs its stock Keras class, or a split-aware twin from
 `split_layers` (same weights, names and config):
   SplitConv2D      kernel split on output channels; gathers a split input first
   Gather<Layer>    any layer that needs its whole input after a split one: one named
-                   all-gather over `model`, then the stock layer
-  SlicePool2D, SliceAvgPool2D, SplitDepthwiseConv2D, SplitGroupedConv2D, SplitMerge
-                   run on CHANNELS without communication
-  stock            BatchNormalization (per-channel statistics: its variables follow the
-                   channels), elementwise layers, global pooling, and anything on WHOLE/ROWS.
+                   all-gather over `model`, then the stock layer (GatherConcatenate for a
+                   concatenation of split channels)
+  SlicePool2D, SliceAvgPool2D, SplitDepthwiseConv2D, SplitGroupedConv2D
+                   run on CHANNELS without communication (`split_layers_modern.py`); their
+                   variables follow the channels (each class's VARIABLE_SPECS)
+  SplitSeparableConv2D
+                   depthwise part local, pointwise partial sums all-reduced (output whole)
+  Split<Merge>     Add, Multiply... of a split and a whole operand: the whole one is sliced
+                   (its gradient gathered back)
+  stock            BatchNormalization (per-channel statistics over the global batch: its
+                   variables follow the channels), elementwise layers, global pooling, and
+                   anything on WHOLE/ROWS.
 
 Communication per step (what DTensor runs; BUILD_NOTES.md has the lowered graphs):
   forward   one all-gather over `model` of a split input before a layer that needs it whole,
@@ -44,6 +51,7 @@ import numpy as np
 from tf_multigpu.compat import inbound_layer_names, producer_name
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import UNSPLIT, assign_specs
+from tf_multigpu.parallel.split_layers_modern import SPLIT_AWARE, STOCK_VARIABLE_SPECS, SplitGroupedConv2D
 
 WHOLE, CHANNELS, ROWS = "whole", "channels", "rows"
 BYTES_PER_VALUE = 4   # float32 activations, parameters, gradients and slots
@@ -232,7 +240,7 @@ def policy_rules(nodes: tuple, policy: str, model_name: str) -> list:
     classifier = _classifier(nodes)
     rules = []
     for node in nodes:
-        if not _is(node, *types):
+        if not _is(node, *types) or node.config.get("groups", 1) > 1:   # grouped convs follow their input
             continue
         kernel, bias = node.weight("kernel"), node.weight("bias")
         optional = "?" if node.name == classifier else ""
@@ -283,17 +291,20 @@ class _Walker:
     def split(self, path: str) -> bool:
         return "model" in self.specs.get(path, ())
 
-    def follow(self, node: Node, dims: dict):
-        """Give `node`'s variables named in `dims` a spec splitting dimension dims[name] on
-        `model` (they follow a channel-split input), unless a rule already placed them."""
-        for var, dim in dims.items():
+    def follow(self, node: Node, specs: dict):
+        """Give `node`'s variables the specs of its split-aware implementation (`specs`: name
+        -> spec text, e.g. {"kernel": "-,-,model,-"}): they follow a channel-split input,
+        unless a rule already placed them."""
+        for var, text in specs.items():
             path = node.weight(var)
-            if path and not self.split(path):
-                shape = node.weights[path]
-                if shape[dim] % self.m:
-                    raise UsageError(f"{path} dimension {dim} ({shape[dim]}) follows channels split over {self.m} "
-                                     f"devices but does not divide: change --mesh")
-                self.specs[path] = [("model" if d == dim else UNSPLIT) for d in range(len(shape))]
+            if not path or self.split(path):
+                continue
+            spec, shape = text.split(","), node.weights[path]
+            for dim, (size, axis) in enumerate(zip(shape, spec)):
+                if axis == "model" and size % self.m:
+                    raise UsageError(f"{path} dimension {dim} ({size}) follows channels split over {self.m} devices "
+                                     "but does not divide: change --mesh")
+            self.specs[path] = spec
 
     def place(self, node: Node) -> LayerPlan:
         ins = tuple(self.layout[p] for p in node.inputs)
@@ -312,6 +323,13 @@ class _Walker:
             collectives.append(Collective("all_gather", "model", node.name, "forward", elems))
         if kernel_split and needs_dx:
             collectives.append(Collective("all_reduce", "model", node.name, "backward", node.in_elems))
+        if merge == CHANNELS:   # whole operands were sliced: their gradients are gathered back
+            whole = [s for s, lay in zip(node.in_shapes, ins) if lay == WHOLE]
+            if whole and needs_dx:
+                elems = sum(int(np.prod(s)) for s in whole)
+                collectives.append(Collective("all_gather", "model", node.name, "backward", elems))
+        if impl == "SplitSeparableConv2D":   # the pointwise contraction over split channels: partial sums
+            collectives.append(Collective("all_reduce", "model", node.name, "forward", node.out_elems))
         return LayerPlan(node, impl, ins, out, gathers and bool(split_in), kernel_split, needs_dx,
                          tuple(collectives), merge, bool(new))
 
@@ -337,19 +355,19 @@ class _Walker:
             if any(self.split(p) for p in node.weights):
                 return self._unplaceable(node, "has a split variable but no split-aware version")
             return "", x, False, False, ""
-        # -- the input is split on channels ------------------------------------------------
-        if _is(node, L.DepthwiseConv2D):
-            self.follow(node, {"kernel": 2, "bias": 0})
-            return "SplitDepthwiseConv2D", CHANNELS, False, False, ""
+        # -- the input is split on channels ----------------------------------------------
+        if node.cls in SPLIT_AWARE and not _is(node, *MERGES):
+            impl = SPLIT_AWARE[node.cls]
+            self.follow(node, impl.VARIABLE_SPECS)
+            out = CHANNELS if impl.SPLITS_OUTPUT else WHOLE
+            return impl.__name__, out, False, False, ""
         if _is(node, L.BatchNormalization):
             if node.config.get("axis") not in (-1, len(node.out_shape), [-1], [len(node.out_shape)]):
                 return self._unplaceable(node, f"normalises axis {node.config.get('axis')}, not the split channels")
-            self.follow(node, {"gamma": 0, "beta": 0, "moving_mean": 0, "moving_variance": 0})
+            self.follow(node, STOCK_VARIABLE_SPECS[L.BatchNormalization])
             return "", CHANNELS, False, False, ""
         if _is(node, L.MaxPooling2D):
             return "SlicePool2D", CHANNELS, False, False, ""
-        if _is(node, L.AveragePooling2D):
-            return "SliceAvgPool2D", CHANNELS, False, False, ""
         if _is(node, *ELEMENTWISE) and not (node.cls is L.Activation and
                                              node.config.get("activation") in _NOT_PER_CHANNEL_ACTIVATIONS):
             return "", CHANNELS, False, False, ""
@@ -358,25 +376,28 @@ class _Walker:
         return f"Gather{node.cls.__name__}", WHOLE, True, False, ""   # weightless: gather, then run it
 
     def _grouped(self, node: Node, x: str):
+        """A grouped Conv2D follows its input: on split channels each device holds whole
+        groups (no communication); on a whole input it runs replicated."""
+        if x != CHANNELS:
+            return "", x, False, False, ""
         groups = node.config["groups"]
-        kernel = node.weight("kernel")
-        if self.split(kernel) or x == CHANNELS:
-            if groups % self.m:
-                raise UsageError(f"layer {node.name} has {groups} groups, which do not divide by the {self.m} devices "
-                                 "of the model axis: each device must hold whole groups; change --mesh")
-            self.follow(node, {"kernel": 3, "bias": 0})
-            # A whole input is split on channels by a local slice: no communication.
-            return "SplitGroupedConv2D", CHANNELS, False, False, ""
-        return "", x, False, False, ""
+        if groups % self.m:
+            raise UsageError(f"layer {node.name} has {groups} groups, which do not divide by the {self.m} devices "
+                             "of the model axis: each device must hold whole groups; change --mesh")
+        self.follow(node, SplitGroupedConv2D.VARIABLE_SPECS)
+        return "SplitGroupedConv2D", CHANNELS, False, False, ""
 
     def _merge(self, node: Node, ins: tuple):
-        if len(set(ins)) == 1 and not (node.cls is L.Concatenate and ins[0] == CHANNELS):
+        concat_channels = node.cls is L.Concatenate and node.config.get("axis") in (-1, len(node.out_shape))
+        if len(set(ins)) == 1 and not (concat_channels and ins[0] == CHANNELS):
             return "", ins[0], False, False, ""
-        if node.cls is not L.Concatenate and set(ins) <= {WHOLE, CHANNELS}:
-            # Whole operands are sliced to the split channels: local, no communication.
-            return "SplitMerge", CHANNELS, False, False, CHANNELS
-        # Concatenating split channels would interleave the devices' slices: gather first.
-        return "GatherMerge", WHOLE, True, False, WHOLE
+        if ROWS in ins:
+            raise UsageError(f"layer {node.name} ({node.cls.__name__}) merges row-split and other activations: "
+                             "conv_data_fc_model needs one batch layout up to the first Dense layer")
+        if concat_channels:   # local shards would interleave the operands' channels: gather first
+            return "GatherConcatenate", WHOLE, True, False, WHOLE
+        # Whole operands are sliced to the split channels (local); backward, their gradient is gathered.
+        return f"Split{node.cls.__name__}", CHANNELS, False, False, CHANNELS
 
     def _unplaceable(self, node: Node, why: str):
         raise UsageError(f"layer {node.name} ({node.cls.__name__}) receives activations split on 'model' and {why}: "
