@@ -19,3 +19,19 @@ def small_convnet_no_dropout(input_shape, num_classes):
     different meshes can be compared weight for weight."""
     from tf_multigpu.models import small_convnet
     return small_convnet(input_shape, num_classes, dropout=0.0)
+
+
+def small_resnet_bn(input_shape, num_classes):
+    """A small ResNet (stem, one residual block, global pooling) with BatchNormalization after
+    every convolution: the data-parallel BatchNorm parity model."""
+    layers = keras.layers
+    images = keras.Input(input_shape)
+    x = layers.Conv2D(16, 3, padding="same", use_bias=False)(images)
+    x = layers.ReLU()(layers.BatchNormalization()(x))
+    y = layers.Conv2D(16, 3, padding="same", use_bias=False)(x)
+    y = layers.ReLU()(layers.BatchNormalization()(y))
+    y = layers.Conv2D(16, 3, padding="same", use_bias=False)(y)
+    y = layers.BatchNormalization()(y)
+    x = layers.ReLU()(layers.Add()([x, y]))
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(images, layers.Dense(num_classes)(x), name="small_resnet_bn")

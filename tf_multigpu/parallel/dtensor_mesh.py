@@ -38,6 +38,7 @@ from tensorflow.experimental import dtensor
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel import split_layers
 from tf_multigpu.parallel.layouts import UNSPLIT, assign_specs
+from tf_multigpu.parallel.stateless_dropout import stateless_dropout
 
 U = dtensor.UNSHARDED
 
@@ -160,8 +161,10 @@ class DTensorParallelism:
         except ValueError as e:
             raise UsageError(f"model parallelism needs a Sequential or functional Keras model ({e})") from None
         # Same initial values as the plain model (hence as every other strategy). The weights
-        # pair up by path; the dropout RNG states (no stable path: clones renumber them) by order.
-        for var, value in zip(model.variables, plain.variables):
+        # pair up by path; other RNG states (no stable path: clones renumber them) by order. The
+        # stock Dropout's seed state has no counterpart in the clone (StatelessDropout has none).
+        pairs = list(zip(model.weights, plain.weights)) + list(zip(_rng_states(model), _rng_states(plain)))
+        for var, value in pairs:
             if var.path in self.specs and var.path != value.path:
                 raise AssertionError(f"cloned model's variables are out of order: {var.path} vs {value.path}")
             var.assign(self.put(value, self._layout_for(var.path, var.name, len(var.shape))))
@@ -208,7 +211,7 @@ class DTensorParallelism:
         def convert(layer):
             cls, first = plan.get(layer.name, (None, False))
             if cls is None:
-                return layer.__class__.from_config(layer.get_config())
+                return stateless_dropout(layer)   # Dropout -> StatelessDropout, else a fresh copy
             new = cls.from_config(layer.get_config())
             new.mesh = self.mesh
             if cls is split_layers.SplitConv2D:
@@ -254,6 +257,15 @@ class DTensorParallelism:
 @tf.function
 def _mesh_max(values):
     return tf.reduce_max(values)
+
+
+def _rng_states(model) -> list:
+    """The model's variables that are not weights (RNG states), except stock Dropouts' (the
+    clone's StatelessDropouts replace those and hold none)."""
+    weights = {id(w) for w in model.weights}
+    dropout_states = {id(layer.seed_generator.state) for layer in model._flatten_layers()
+                      if type(layer) is keras.layers.Dropout and hasattr(layer, "seed_generator")}
+    return [v for v in model.variables if id(v) not in weights and id(v) not in dropout_states]
 
 
 def _read(variable):
