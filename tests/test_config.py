@@ -30,6 +30,8 @@ def test_defaults_are_valid():
     ({"strategy": "hybrid", "all_reduce": "one_device"}, "--all_reduce applies to --strategy=data"),
     ({"mesh": "batch:2,model:1"}, "--mesh applies to --strategy=model or hybrid"),
     ({"data_dir": "/nonexistent/tfds"}, "--data_dir=/nonexistent/tfds is not a readable directory"),
+    ({"batchnorm": "local"}, "unknown --batchnorm='local': choose one of sync, per_replica"),
+    ({"strategy": "hybrid", "batchnorm": "per_replica"}, "--batchnorm=per_replica applies to --strategy=data"),
 ])
 def test_bad_values_name_the_fix(change, needle):
     with pytest.raises(UsageError) as e:
