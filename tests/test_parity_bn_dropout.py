@@ -13,8 +13,10 @@ import tensorflow as tf
 
 from tests.helpers import checkpoint_values, max_update_difference, one_step
 from tests.test_parity import TOLERANCE
+from tests.user_models import small_resnet_bn
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
+from tf_multigpu.parallel import make_parallelism
 from tf_multigpu.parallel.stateless_dropout import StatelessDropout, stateless_dropout
 from tf_multigpu.parallel.tf_distribute import _new_collective_key_range
 from tf_multigpu.training.loop import train
@@ -120,3 +122,28 @@ def test_three_steps_of_the_default_model_on_four_devices_end_with_one_devices_w
     assert one.keys() == four.keys() and len(one) > 10
     for key in one:   # weights, momentum slots, step count
         np.testing.assert_allclose(four[key], one[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__(name="subclassed")
+        self.drop, self.dense = keras.layers.Dropout(0.5), keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.dense(self.drop(x, training=training))
+
+
+def test_data_parallel_swaps_dropout_and_batchnorm_and_says_when_it_cannot(devices, capsys):
+    par = make_parallelism("data", devices[:2], 8)
+    model = par.build_model(lambda: small_resnet_bn((8, 8, 1), 10))
+    norms = [layer for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization)]
+    assert norms and all(layer.synchronized for layer in norms)
+    per_replica = make_parallelism("data", devices[:2], 8, batchnorm="per_replica")
+    model = per_replica.build_model(lambda: small_resnet_bn((8, 8, 1), 10))
+    assert not any(getattr(layer, "synchronized", False) for layer in model.layers)
+    model = par.build_model(lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.5)]))
+    assert type(model.layers[0]) is StatelessDropout
+    model = par.build_model(_Subclassed)
+    assert type(model.drop) is keras.layers.Dropout
+    assert "subclassed is a subclassed model, so its Dropout/BatchNormalization layers stay per-replica" in \
+        capsys.readouterr().out

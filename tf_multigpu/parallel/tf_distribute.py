@@ -15,6 +15,7 @@ from typing import Callable
 
 import keras
 import tensorflow as tf
+from keras.src.models.functional import Functional   # keras.Model(inputs, outputs)'s class; no public name
 
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.stateless_dropout import stateless_dropout
@@ -109,14 +110,12 @@ class DistributeParallelism:
             plain = build()
             if not any(_swapped(layer, self.batchnorm) for layer in plain._flatten_layers(include_self=False)):
                 return plain
-            try:
-                model = keras.models.clone_model(plain, clone_function=lambda layer: self._clone_layer(layer),
-                                                 recursive=True)
-            except ValueError:   # "Arguments clone_function and input_tensors are only supported for ..."
+            if not isinstance(plain, (keras.Sequential, Functional)):   # clone_model refuses those
                 print(f"note: {plain.name} is a subclassed model, so its Dropout/BatchNormalization layers stay "
                       "per-replica (masks and statistics differ from one device's); a functional or Sequential "
                       "model gets replica-independent ones", flush=True)
                 return plain
+            model = keras.models.clone_model(plain, clone_function=self._clone_layer, recursive=True)
             model.set_weights(plain.get_weights())
             return model
 
