@@ -1,11 +1,12 @@
 """What replica-independent Dropout and synchronised BatchNorm cost, as step-time ratios.
 
-    PYTHONPATH=. python -m tools.bench.replica_consistency [--devices=2] [--rounds=7] [--steps=20]
+    PYTHONPATH=. python -m tools.bench.replica_consistency [--devices=2] [--rounds=11] [--steps=20]
 
 In one process on logical CPUs, for each pair (A, B) it times compiled windows of `--steps`
 training steps of A and B alternately (so both see the same machine load) and prints the
 median of the per-round time ratios A/B:
   - small_convnet on digits: StatelessDropout vs Keras' stock Dropout (data x N and single);
+  - one dropout layer alone, forward and backward, StatelessDropout vs Dropout;
   - tests.user_models:small_resnet_bn on digits: --batchnorm=sync vs per_replica (data x N).
 Logical CPU devices share the cores, so the ratios say how much work is added, not what a GPU
 would see.
@@ -21,7 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 flags.DEFINE_integer("devices", 2, "logical CPU devices (data-parallel replicas)")
-flags.DEFINE_integer("rounds", 7, "alternating timed windows per configuration")
+flags.DEFINE_integer("rounds", 11, "alternating timed windows per configuration")
 flags.DEFINE_integer("steps", 20, "training steps per timed window")
 FLAGS = flags.FLAGS
 
@@ -44,8 +45,28 @@ def _runner(strategy, devices, model, stock_dropout=False, batchnorm="sync"):
     model_, optimizer = build_model_and_optimizer(cfg, par, source, 10_000)
     it = iter(par.distribute(lambda b: train_dataset(source, seed=0, global_batch=64, batch_size=b).repeat()))
     fn = par.compile(make_train_step(model_, optimizer, 64))
-    fn(it, tf.constant(FLAGS.steps))   # compile
+    for _ in range(2):   # compile, then one window to warm the caches and thread pools
+        fn(it, tf.constant(FLAGS.steps))["count"].numpy()
     return lambda: fn(it, tf.constant(FLAGS.steps))["count"].numpy()
+
+
+def _layer_runner(layer, shape):
+    """Forward and backward of one dropout layer on a [rows, features] activation, 50 times."""
+    import tensorflow as tf
+    x = tf.random.normal(shape)
+
+    @tf.function
+    def run():
+        total = tf.constant(0.0)
+        for _ in tf.range(50):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = tf.reduce_sum(layer(x, training=True))
+            total += tf.reduce_sum(tape.gradient(y, x)) + y
+        return total
+
+    run()
+    return lambda: run().numpy()
 
 
 def _in_scope(par, make):
@@ -79,6 +100,13 @@ def main(argv):
     _ratio("small_convnet single: stateless / stock Dropout",
            _runner("single", devices[:1], "small_convnet"),
            _runner("single", devices[:1], "small_convnet", stock_dropout=True))
+    import keras
+    from tf_multigpu.parallel.stateless_dropout import StatelessDropout
+    for shape in ([64, 256], [256, 9216]):   # small_convnet's drop1; AlexNet's drop6 at batch 256
+        stateless = StatelessDropout(0.5, seed=1, name="drop")
+        stateless.use_step(tf.Variable(0, dtype=tf.int64))
+        _ratio(f"one dropout layer {shape}, fwd+bwd: stateless / stock",
+               _layer_runner(stateless, shape), _layer_runner(keras.layers.Dropout(0.5, seed=1), shape))
     bn = "tests.user_models:small_resnet_bn"
     _ratio(f"small_resnet_bn data x{n}: sync / per_replica BatchNorm",
            _runner("data", devices, bn), _runner("data", devices, bn, batchnorm="per_replica"))
