@@ -15,8 +15,8 @@ def wrong_classes(input_shape, num_classes):
 
 
 def small_convnet_no_dropout(input_shape, num_classes):
-    """The default model without dropout: its updates do not depend on RNG draws, so runs on
-    different meshes can be compared weight for weight."""
+    """The default model without dropout (test_parity_bn_dropout shows that dropout is on in
+    the parity steps by comparing with it)."""
     from tf_multigpu.models import small_convnet
     return small_convnet(input_shape, num_classes, dropout=0.0)
 
