@@ -17,7 +17,7 @@ is not a slice of the draw of the whole batch, and under DTensor a stateless dra
 output folds the device id into the seed (measured: a batch- or model-sharded
 `stateless_uniform` differs from the one-device draw; BUILD_NOTES.md). Hashing each element's
 global index is elementwise, so the bits cannot depend on layout, sharding or device count,
-and each device computes only its own rows.
+and under tf.distribute each replica computes only its own rows.
 
 The global row index: under tf.distribute replica i holds rows [i*b, (i+1)*b) of the global
 batch (also across workers: `replica_id_in_sync_group` counts every worker's replicas), so its
