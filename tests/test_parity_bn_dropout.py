@@ -92,21 +92,28 @@ def test_dropout_is_on_in_the_parity_steps(digits_batch, devices):
     assert max_update_difference(before, without, with_dropout) > 0.1
 
 
+@pytest.fixture(scope="module")
+def bn_single_step(digits_batch):
+    from tests.conftest import DEVICES
+    source, images, labels = digits_batch
+    return one_step("single", DEVICES, source, images, labels, model=BN_MODEL)
+
+
 @pytest.mark.parametrize("num_devices", [2, 4])
-def test_data_parallel_batchnorm_step_equals_one_device(num_devices, digits_batch, devices):
+def test_data_parallel_batchnorm_step_equals_one_device(num_devices, digits_batch, bn_single_step, devices):
     """Weights and moving statistics (one_step returns every weight) move as on one device."""
     source, images, labels = digits_batch
-    before, single = one_step("single", devices, source, images, labels, model=BN_MODEL)
+    before, single = bn_single_step
     before_d, data = one_step("data", devices[:num_devices], source, images, labels, model=BN_MODEL)
     for a, b in zip(before, before_d):
         np.testing.assert_array_equal(a, b)
     assert max_update_difference(before, data, single) <= TOLERANCE
 
 
-def test_per_replica_batchnorm_is_another_step(digits_batch, devices):
+def test_per_replica_batchnorm_is_another_step(digits_batch, bn_single_step, devices):
     """--batchnorm=per_replica normalises each replica's share by its own statistics."""
     source, images, labels = digits_batch
-    before, single = one_step("single", devices, source, images, labels, model=BN_MODEL)
+    before, single = bn_single_step
     _, data = one_step("data", devices[:2], source, images, labels, model=BN_MODEL, batchnorm="per_replica")
     assert max_update_difference(before, data, single) > 0.01   # measured: 0.07
 
