@@ -18,14 +18,13 @@ from tf_multigpu.training.step import make_train_step
 
 def one_step(strategy, devices, source, images, labels, steps=1, model="small_convnet",
              learning_rate=1.0, mesh="", layout="filter_split", **cfg_kwargs):
-    """Initial and final weights (numpy) after `steps` SGD steps on the same global batch."""
+    """Initial and final weights (numpy; BatchNorm's moving statistics included) after `steps`
+    SGD steps on the same global batch, with the model's real dropout."""
     global_batch = len(labels)
     cfg = Config(run_dir="unused", strategy=strategy, model=model, batch_size=global_batch,
                  lr_schedule="constant", learning_rate=learning_rate, **cfg_kwargs)
-    par = make_parallelism(strategy, devices, global_batch, mesh=mesh, layout=layout)
-    # Dropout draws different masks on N replicas than on one device, so parity is checked
-    # on the deterministic network (dropout=0); everything else is the real model.
-    model_, optimizer = build_model_and_optimizer(cfg, par, source, steps, dropout=0.0)
+    par = make_parallelism(strategy, devices, global_batch, mesh=mesh, layout=layout, batchnorm=cfg.batchnorm)
+    model_, optimizer = build_model_and_optimizer(cfg, par, source, steps)
     before = Weights([par.to_numpy(v) for v in model_.weights], model_)   # BatchNorm's moving statistics too
     batch = tf.data.Dataset.from_tensors((images, labels)).repeat()
     it = iter(par.distribute(lambda b: batch.unbatch().batch(b, drop_remainder=True)))

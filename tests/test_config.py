@@ -34,6 +34,9 @@ def test_defaults_are_valid():
     ({"test_fraction": 1.0}, "--test_fraction=1.0 must be between 0 and 1"),
     ({"dataset": "folder:"}, "--dataset=folder: needs the folder"),
     ({"input_threads": -1}, "--input_threads=-1 must be >= 0"),
+
+    ({"batchnorm": "local"}, "unknown --batchnorm='local': choose one of sync, per_replica"),
+    ({"strategy": "hybrid", "batchnorm": "per_replica"}, "--batchnorm=per_replica applies to --strategy=data"),
 ])
 def test_bad_values_name_the_fix(change, needle):
     with pytest.raises(UsageError) as e:

@@ -20,6 +20,8 @@ LR_SCHEDULES = ("constant", "step", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
 AUGMENTS = ("auto", "none", "paper")   # data/augment.py
 
+BATCHNORMS = ("sync", "per_replica")
+
 # The fields that decide what a run computes. Resuming a run directory with any of these
 # changed would silently mix two experiments, so it is refused. Steps, epochs, cadence and
 # the device layout may change between runs (a checkpoint restores onto any strategy).
@@ -63,6 +65,7 @@ class Config:
     eval_every: int = 0           # 0: once per epoch
     log_every: int = 10
     dtype: str = "float32"        # compute dtype: bfloat16/float16 = Keras mixed precision
+    batchnorm: str = "sync"       # data parallelism: BatchNorm statistics over the global batch, or per replica
     xla: bool = False             # XLA-compile each replica's forward and backward pass
     device_memory_limit: int = 0  # MiB per device; 0: no cap
     logical_gpus: int = 1         # logical GPUs carved from each physical GPU
@@ -135,6 +138,10 @@ class Config:
             raise UsageError(f"--layout applies to --strategy=model or hybrid, not {self.strategy}: drop --layout")
         if self.all_reduce != Config.all_reduce and self.strategy != "data":
             raise UsageError(f"--all_reduce applies to --strategy=data, not {self.strategy}: drop --all_reduce")
+        _one_of("batchnorm", self.batchnorm, BATCHNORMS)
+        if self.batchnorm != Config.batchnorm and self.strategy != "data":
+            raise UsageError(f"--batchnorm={self.batchnorm} applies to --strategy=data, not {self.strategy} (one device "
+                             "and a DTensor mesh use the global batch's statistics): drop --batchnorm")
         if self.profile_steps:
             parse_profile_steps(self.profile_steps)
         if self.data_dir is not None and not os.access(self.data_dir, os.R_OK | os.X_OK):

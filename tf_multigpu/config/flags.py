@@ -9,6 +9,7 @@ from absl import flags
 
 from tf_multigpu.config.config import (
     ALL_REDUCE,
+    BATCHNORMS,
     DTYPES,
     LAYOUTS,
     LR_SCHEDULES,
@@ -83,6 +84,10 @@ flags.DEFINE_integer("log_every", _D.log_every, "Update the progress bar and Ten
 flags.DEFINE_string("dtype", _D.dtype, f"Compute dtype, one of {', '.join(DTYPES)}. bfloat16 and float16 "
                     "are Keras mixed precision (weights and updates stay float32); float16 adds dynamic "
                     "loss scaling.")
+flags.DEFINE_string("batchnorm", _D.batchnorm, f"BatchNormalization under --strategy=data: one of "
+                    f"{', '.join(BATCHNORMS)}. sync: batch statistics over the global batch (all-reduced "
+                    "across replicas), so the step is one device's; per_replica: each replica normalises "
+                    "by its own share's statistics (no extra all-reduce, a different model).")
 flags.DEFINE_boolean("xla", _D.xla, "XLA-compile (jit_compile) each replica's forward and backward pass.")
 flags.DEFINE_integer("device_memory_limit", _D.device_memory_limit, "MiB of memory per device (0: no cap). "
                      "GPUs get logical devices capped at this size; on CPUs the run's estimated bytes per "

@@ -12,14 +12,17 @@ from tf_multigpu.parallel.tf_distribute import DistributeParallelism
 
 
 def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str = "auto",
-                     mesh: str = "", layout: str = "filter_split", layout_rules: str = "",
-                     runtime=None) -> Parallelism:
+                     mesh: str = "", layout: str = "filter_split", layout_rules: str = "", runtime=None,
+                     batchnorm: str = "sync") -> Parallelism:
     """The parallelism for a --strategy value over `devices`, or, given a started multi-worker
-    `runtime` (parallel/cluster.py), over every device of every worker."""
+    `runtime` (parallel/cluster.py), over every device of every worker.
+
+    `batchnorm` (sync or per_replica) is for data parallelism: a DTensor mesh computes
+    BatchNormalization's statistics over the global batch by itself."""
     if runtime is not None and strategy == "data":
-        return DistributeParallelism.multi_worker(runtime, global_batch, all_reduce)
+        return DistributeParallelism.multi_worker(runtime, global_batch, all_reduce, batchnorm)
     if strategy in ("single", "data"):
-        return DistributeParallelism.create(strategy, devices, global_batch, all_reduce)
+        return DistributeParallelism.create(strategy, devices, global_batch, all_reduce, batchnorm)
     from tf_multigpu.parallel.dtensor_mesh import DTensorParallelism, check_mesh
     from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, check_layout
     local = None

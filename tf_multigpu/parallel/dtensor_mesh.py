@@ -39,6 +39,7 @@ from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel import split_layers, split_layers_modern
 from tf_multigpu.parallel.layouts import UNSPLIT
 from tf_multigpu.parallel.placement import PlacementPlan, make_plan
+from tf_multigpu.parallel.stateless_dropout import stateless_dropout
 
 U = dtensor.UNSHARDED
 
@@ -152,8 +153,10 @@ class DTensorParallelism:
         except ValueError as e:
             raise UsageError(f"model parallelism needs a Sequential or functional Keras model ({e})") from None
         # Same initial values as the plain model (hence as every other strategy). The weights
-        # pair up by path; the dropout RNG states (no stable path: clones renumber them) by order.
-        for var, value in zip(model.variables, plain.variables):
+        # pair up by path; other RNG states (no stable path: clones renumber them) by order. The
+        # stock Dropout's seed state has no counterpart in the clone (StatelessDropout has none).
+        pairs = list(zip(model.weights, plain.weights)) + list(zip(_rng_states(model), _rng_states(plain)))
+        for var, value in pairs:
             if var.path in self.plan.specs and var.path != value.path:
                 raise AssertionError(f"cloned model's variables are out of order: {var.path} vs {value.path}")
             var.assign(self.put(value, self._layout_for(var.path, var.name, len(var.shape))))
@@ -168,7 +171,7 @@ class DTensorParallelism:
                 return layer
             placed = plan[layer.name]
             if not placed.impl:
-                return layer.__class__.from_config(layer.get_config())
+                return stateless_dropout(layer)   # Dropout -> StatelessDropout, else a fresh copy
             new = _implementation(placed.impl, type(layer)).from_config(layer.get_config())
             new.mesh = self.mesh
             if placed.kernel_split:
@@ -228,6 +231,15 @@ def _implementation(name: str, stock: type) -> type:
 @tf.function
 def _mesh_max(values):
     return tf.reduce_max(values)
+
+
+def _rng_states(model) -> list:
+    """The model's variables that are not weights (RNG states), except stock Dropouts' (the
+    clone's StatelessDropouts replace those and hold none)."""
+    weights = {id(w) for w in model.weights}
+    dropout_states = {id(layer.seed_generator.state) for layer in model._flatten_layers()
+                      if type(layer) is keras.layers.Dropout and hasattr(layer, "seed_generator")}
+    return [v for v in model.variables if id(v) not in weights and id(v) not in dropout_states]
 
 
 def _read(variable):

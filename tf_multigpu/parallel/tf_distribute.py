@@ -13,10 +13,13 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
+import keras
 import tensorflow as tf
+from keras.src.models.functional import Functional   # keras.Model(inputs, outputs)'s class; no public name
 
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.placement import make_plan
+from tf_multigpu.parallel.stateless_dropout import stateless_dropout
 
 _SUM = tf.distribute.ReduceOp.SUM
 
@@ -36,6 +39,12 @@ def cross_device_ops(name: str, devices) -> tf.distribute.CrossDeviceOps | None:
     }[name]()
 
 
+def _swapped(layer, batchnorm: str) -> bool:
+    """Whether build_model replaces this layer (a stock Dropout, or BatchNorm to synchronise)."""
+    return type(layer) is keras.layers.Dropout or (
+        type(layer) is keras.layers.BatchNormalization and batchnorm == "sync" and not layer.synchronized)
+
+
 def _new_collective_key_range():
     """Gives the next MirroredStrategy in this process collective keys of its own.
 
@@ -51,8 +60,9 @@ class DistributeParallelism:
     """Runs a single-replica step function on every replica of a tf.distribute strategy."""
 
     def __init__(self, strategy: tf.distribute.Strategy, devices, global_batch: int, name: str,
-                 input_shard: tuple = (0, 1)):
+                 input_shard: tuple = (0, 1), batchnorm: str = "sync"):
         self.strategy = strategy
+        self.batchnorm = batchnorm   # sync: statistics over the global batch; per_replica: over each share
         self.devices = list(devices)
         self.name = name
         self.global_batch = global_batch
@@ -64,16 +74,17 @@ class DistributeParallelism:
         self.spmd_lowered = False
 
     @classmethod
-    def create(cls, name: str, devices, global_batch: int, all_reduce: str = "auto"):
+    def create(cls, name: str, devices, global_batch: int, all_reduce: str = "auto", batchnorm: str = "sync"):
         if name == "single":
-            return cls(tf.distribute.OneDeviceStrategy(devices[0]), devices[:1], global_batch, name)
+            return cls(tf.distribute.OneDeviceStrategy(devices[0]), devices[:1], global_batch, name,
+                       batchnorm=batchnorm)
         _new_collective_key_range()
         strategy = tf.distribute.MirroredStrategy(
             devices=list(devices), cross_device_ops=cross_device_ops(all_reduce, devices))
-        return cls(strategy, devices, global_batch, name)
+        return cls(strategy, devices, global_batch, name, batchnorm=batchnorm)
 
     @classmethod
-    def multi_worker(cls, runtime, global_batch: int, all_reduce: str = "auto"):
+    def multi_worker(cls, runtime, global_batch: int, all_reduce: str = "auto", batchnorm: str = "sync"):
         """Data parallelism over every device of every worker (the runtime's strategy).
 
         Worker w holds replicas w*L .. w*L+L-1 and so reads rows [w*B/W, (w+1)*B/W) of each
@@ -84,7 +95,7 @@ class DistributeParallelism:
                              "implementation is TensorFlow's choice; drop --all_reduce")
         cluster = runtime.cluster
         return cls(runtime.strategy, runtime.all_devices, global_batch, "data",
-                   input_shard=(cluster.task_index, cluster.num_workers))
+                   input_shard=(cluster.task_index, cluster.num_workers), batchnorm=batchnorm)
 
     def scope(self) -> contextlib.AbstractContextManager:
         """Variables (model, optimizer slots) created here are mirrored on every device."""
@@ -96,12 +107,38 @@ class DistributeParallelism:
         return {"batch": self.num_replicas, "model": 1}
 
     def build_model(self, build: Callable):
-        """Builds the model with its variables mirrored on every device, and its (replicated)
-        placement plan."""
+        """Builds the model with its variables mirrored on every device, its Dropout layers
+        drawing the masks one device would (`stateless_dropout`) and, with batchnorm=sync, its
+        BatchNormalization layers normalising by the global batch's statistics.
+
+        The swap clones the built model (same initial values); a subclassed model cannot be
+        cloned, so it keeps its stock layers, and says so.
+        """
         with self.scope():
-            model = build()
+            model = self._swap_layers(build())
         self.plan = make_plan(model, "", [], self.mesh_shape)
         return model
+
+    def _swap_layers(self, plain):
+        if not any(_swapped(layer, self.batchnorm) for layer in plain._flatten_layers(include_self=False)):
+            return plain
+        if not isinstance(plain, (keras.Sequential, Functional)):   # clone_model refuses those
+            print(f"note: {plain.name} is a subclassed model, so its Dropout/BatchNormalization layers stay "
+                  "per-replica (masks and statistics differ from one device's); a functional or Sequential "
+                  "model gets replica-independent ones", flush=True)
+            return plain
+        model = keras.models.clone_model(plain, clone_function=self._clone_layer, recursive=True)
+        model.set_weights(plain.get_weights())
+        return model
+
+    def _clone_layer(self, layer):
+        if type(layer) is keras.layers.BatchNormalization and self.batchnorm == "sync":
+            # Keras' TF backend then all-reduces each replica's sums, sums of squares and
+            # counts (backend/tensorflow/nn.py: _compute_moments_sync), in the forward and,
+            # through the all-reduce's gradient, the backward: one device's statistics over the
+            # global batch. Moving averages are then the same on every replica.
+            return keras.layers.BatchNormalization.from_config({**layer.get_config(), "synchronized": True})
+        return stateless_dropout(layer)
 
     @property
     def replica_batch(self) -> int:

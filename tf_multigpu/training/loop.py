@@ -23,6 +23,7 @@ from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model, get_factory
 from tf_multigpu.parallel import make_parallelism
 from tf_multigpu.parallel.memory import bytes_per_device
+from tf_multigpu.parallel.stateless_dropout import use_step
 from tf_multigpu.planner.auto import resolve_strategy, with_measurement
 from tf_multigpu.profiling.step_profiler import StepProfiler
 from tf_multigpu.training import run_dir
@@ -45,7 +46,7 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
                          input_threads=cfg.input_threads)
     cfg, plan = resolve_strategy(cfg, devices, source)   # --strategy=auto: the planner's top plan
     par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh,
-                           cfg.layout, cfg.layout_rules, runtime=runtime)
+                           cfg.layout, cfg.layout_rules, runtime=runtime, batchnorm=cfg.batchnorm)
     role = WorkerRole(runtime, shared_checkpoints=cfg.strategy in ("model", "hybrid"))
     cfg.check_devices(par.num_replicas)
     per_epoch = steps_per_epoch(source, cfg.batch_size)
@@ -53,8 +54,11 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     total_steps = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * per_epoch)
 
     model, optimizer = build_model_and_optimizer(cfg, par, source, total_steps)
-    # model.variables holds, besides the weights, the dropout RNG states; saving them makes a
-    # resumed run draw the same masks as an uninterrupted one.
+    # Dropout masks are a function of the step (parallel/stateless_dropout.py), which the
+    # optimizer's iteration count restores. model.variables may still hold other layers' RNG
+    # states (GaussianNoise, a user's SeedGenerator); saving them makes a resumed run draw what
+    # an uninterrupted one would. (Checkpoints from before StatelessDropout still load: their
+    # Dropout seed states are values that no object asks for, which a restore ignores.)
     weight_ids = {id(w) for w in model.weights}
     rng_states = [v for v in model.variables if id(v) not in weight_ids]
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, rng_states=rng_states)
@@ -228,6 +232,8 @@ def build_model_and_optimizer(cfg: Config, par, source, total_steps: int, **mode
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         # Build the slots now, inside the scope, so they are mirrored like their variables.
         optimizer.build(model.trainable_variables)
+    # Dropout masks are drawn per step: the step is the optimizer's (checkpointed) count.
+    use_step(model, optimizer.iterations)
     return model, optimizer
 
 

@@ -38,7 +38,10 @@ def restore_latest(checkpoint: tf.train.Checkpoint, paths: RunPaths) -> tf.train
     latest = manager.latest_checkpoint
     if latest:
         try:
-            checkpoint.restore(latest).assert_existing_objects_matched()
+            # expect_partial: a checkpoint may hold values no object asks for (the stock
+            # Dropout seed states of runs from before StatelessDropout); every object of this
+            # run must still find its value.
+            checkpoint.restore(latest).expect_partial().assert_existing_objects_matched()
         except Exception as e:  # noqa: BLE001  truncated files raise IndexError, others OpError...
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UsageError(f"checkpoint {latest} cannot be restored ({first_line[:200]}): "

@@ -1,0 +1,156 @@
+"""Dropout and BatchNorm train the same network under every strategy as on one device.
+
+Dropout masks are drawn from (seed, layer, step, global row) (parallel/stateless_dropout.py);
+BatchNorm statistics are all-reduced over the replicas (--batchnorm=sync). The model- and
+hybrid-parallel steps with dropout are checked by tests/test_parity.py, whose one_step now
+keeps the model's real dropout.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.helpers import checkpoint_values, max_update_difference, one_step
+from tests.test_parity import TOLERANCE
+from tests.user_models import small_resnet_bn
+from tf_multigpu.config import Config
+from tf_multigpu.data import load_source
+from tf_multigpu.parallel import make_parallelism
+from tf_multigpu.parallel.stateless_dropout import StatelessDropout, stateless_dropout
+from tf_multigpu.parallel.tf_distribute import _new_collective_key_range
+from tf_multigpu.training.loop import train
+
+BN_MODEL = "tests.user_models:small_resnet_bn"
+
+
+@pytest.fixture(scope="module")
+def digits_batch():
+    source = load_source("digits")
+    images, labels = next(iter(source.train_records().batch(64)))
+    return source, source.preprocess(images), labels
+
+
+def _dropout(rate=0.25, name="drop", step=0, **kwargs):
+    layer = StatelessDropout(rate, seed=7, name=name, **kwargs)
+    layer.use_step(tf.Variable(step, dtype=tf.int64))
+    return layer
+
+
+def test_masks_of_two_replicas_are_one_devices_mask(devices):
+    """Each replica drops exactly the elements one device drops in its rows of the batch."""
+    x = tf.reshape(tf.range(1, 8 * 6 * 5 + 1, dtype=tf.float32), [8, 6, 5])
+    whole = _dropout()(x, training=True).numpy()
+    _new_collective_key_range()
+    strategy = tf.distribute.MirroredStrategy(devices[:2])
+    layer = _dropout()
+    shares = strategy.experimental_distribute_values_from_function(lambda ctx: x[4 * ctx.replica_id_in_sync_group:][:4])
+    per_replica = strategy.run(tf.function(lambda xs: layer(xs, training=True)), args=(shares,))
+    replicas = np.concatenate([v.numpy() for v in per_replica.values])
+    kept = whole != 0
+    np.testing.assert_array_equal(replicas != 0, kept)   # the same elements dropped
+    np.testing.assert_allclose(replicas, whole, rtol=1e-6)   # (a tf.function may multiply by 1/0.75)
+    np.testing.assert_allclose(whole[kept], x.numpy()[kept] / 0.75, rtol=1e-6)
+
+
+def test_masks_change_with_step_and_layer_and_drop_at_the_rate():
+    x = tf.ones([64, 256])
+    mask = _dropout()(x, training=True).numpy() != 0
+    assert abs(1 - mask.mean() - 0.25) < 0.02
+    assert (mask != (_dropout(step=1)(x, training=True).numpy() != 0)).mean() > 0.2
+    assert (mask != (_dropout(name="other")(x, training=True).numpy() != 0)).mean() > 0.2
+    np.testing.assert_array_equal(_dropout()(x, training=False), x)   # inference: identity
+
+
+def test_noise_shape_shares_the_mask_along_its_unit_dimensions():
+    out = _dropout(0.5, noise_shape=(None, 1, 8))(tf.ones([4, 3, 8]), training=True).numpy()
+    np.testing.assert_array_equal(out, np.broadcast_to(out[:, :1], out.shape))
+    assert 0 < (out == 0).mean() < 1
+
+
+def test_a_dropout_without_its_step_counter_refuses_to_train():
+    with pytest.raises(RuntimeError, match="use_step"):
+        StatelessDropout(0.5, seed=1, name="lonely")(tf.ones([2, 2]), training=True)
+
+
+def test_swap_keeps_the_config_and_the_seed_of_the_stock_layer():
+    keras.utils.set_random_seed(3)
+    stock = keras.layers.Dropout(0.3, name="drop1")
+    swapped = stateless_dropout(stock)
+    assert type(swapped) is StatelessDropout and swapped.name == "drop1" and swapped.rate == 0.3
+    assert swapped.seed == int(stock.seed_generator.state.numpy()[0])
+    assert not swapped.variables   # no RNG state: the mask is a function of the step
+    assert type(stateless_dropout(keras.layers.SpatialDropout2D(0.3))) is keras.layers.SpatialDropout2D
+
+
+def test_dropout_is_on_in_the_parity_steps(digits_batch, devices):
+    """The parity checks with dropout are not the deterministic network's: the same step with
+    dropout=0 moves the weights differently."""
+    source, images, labels = digits_batch
+    before, with_dropout = one_step("single", devices, source, images, labels)
+    _, without = one_step("single", devices, source, images, labels, model="tests.user_models:small_convnet_no_dropout")
+    assert max_update_difference(before, without, with_dropout) > 0.1
+
+
+@pytest.fixture(scope="module")
+def bn_single_step(digits_batch):
+    from tests.conftest import DEVICES
+    source, images, labels = digits_batch
+    return one_step("single", DEVICES, source, images, labels, model=BN_MODEL)
+
+
+@pytest.mark.parametrize("num_devices", [2, 4])
+def test_data_parallel_batchnorm_step_equals_one_device(num_devices, digits_batch, bn_single_step, devices):
+    """Weights and moving statistics (one_step returns every weight) move as on one device."""
+    source, images, labels = digits_batch
+    before, single = bn_single_step
+    before_d, data = one_step("data", devices[:num_devices], source, images, labels, model=BN_MODEL)
+    for a, b in zip(before, before_d):
+        np.testing.assert_array_equal(a, b)
+    assert max_update_difference(before, data, single) <= TOLERANCE
+
+
+def test_per_replica_batchnorm_is_another_step(digits_batch, bn_single_step, devices):
+    """--batchnorm=per_replica normalises each replica's share by its own statistics."""
+    source, images, labels = digits_batch
+    before, single = bn_single_step
+    _, data = one_step("data", devices[:2], source, images, labels, model=BN_MODEL, batchnorm="per_replica")
+    assert max_update_difference(before, data, single) > 0.01   # measured: 0.07
+
+
+@pytest.mark.slow
+def test_three_steps_of_the_default_model_on_four_devices_end_with_one_devices_weights(tmp_path, devices):
+    """The default run (small_convnet with its dropout, momentum, weight decay, shuffled digits)."""
+    common = dict(steps=3, batch_size=32, learning_rate=0.2, lr_schedule="constant", export=False,
+                  checkpoint_every=3, log_every=3, eval_every=3)
+    train(Config(run_dir=str(tmp_path / "one"), strategy="single", **common).validate(), devices[:1])
+    train(Config(run_dir=str(tmp_path / "four"), strategy="data", **common).validate(), devices[:4])
+    one, four = checkpoint_values(tmp_path / "one"), checkpoint_values(tmp_path / "four")
+    assert one.keys() == four.keys() and len(one) > 10
+    for key in one:   # weights, momentum slots, step count
+        np.testing.assert_allclose(four[key], one[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__(name="subclassed")
+        self.drop, self.dense = keras.layers.Dropout(0.5), keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.dense(self.drop(x, training=training))
+
+
+def test_data_parallel_swaps_dropout_and_batchnorm_and_says_when_it_cannot(devices, capsys):
+    par = make_parallelism("data", devices[:2], 8)
+    model = par.build_model(lambda: small_resnet_bn((8, 8, 1), 10))
+    norms = [layer for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization)]
+    assert norms and all(layer.synchronized for layer in norms)
+    per_replica = make_parallelism("data", devices[:2], 8, batchnorm="per_replica")
+    model = per_replica.build_model(lambda: small_resnet_bn((8, 8, 1), 10))
+    assert not any(getattr(layer, "synchronized", False) for layer in model.layers)
+    model = par.build_model(lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.5)]))
+    assert type(model.layers[0]) is StatelessDropout
+    model = par.build_model(_Subclassed)
+    assert type(model.drop) is keras.layers.Dropout
+    assert "subclassed is a subclassed model, so its Dropout/BatchNormalization layers stay per-replica" in \
+        capsys.readouterr().out
