@@ -116,7 +116,9 @@ class DistributeParallelism:
         """
         with self.scope():
             model = self._swap_layers(build())
-        self.plan = make_plan(model, "", [], self.mesh_shape)
+        # A subclassed model has no graph to read: it trains, without a memory estimate.
+        self.plan = make_plan(model, "", [], self.mesh_shape) if isinstance(model, (keras.Sequential, Functional)) \
+            else None
         return model
 
     def _swap_layers(self, plain):

@@ -66,14 +66,16 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     start = int(optimizer.iterations.numpy())
     profiler = _profiler(cfg, paths, par, model, start, total_steps)
 
-    memory = bytes_per_device(par.plan, cfg.batch_size, slots_per_parameter=1 if cfg.momentum else 0)
+    memory = bytes_per_device(par.plan, cfg.batch_size, slots_per_parameter=1 if cfg.momentum else 0) \
+        if par.plan else {}   # a subclassed model (data parallel) has no graph to estimate from
     _check_fits(cfg, memory, par)
     # Input is valid and any earlier state restored: from here on the run writes.
     role.write_config(cfg, paths)
     print(f"{par.name} parallelism on {len(par.devices)} device(s): {', '.join(par.devices)}; "
           f"{source.name} {source.image_shape}, {cfg.model} ({model.count_params():,} parameters), "
           f"global batch {cfg.batch_size}, steps {start}..{total_steps}; per device: "
-          f"{memory['parameters'] / 2**20:.1f} MiB parameters, {memory['total'] / 2**20:.1f} MiB in all", flush=True)
+          + (f"{memory['parameters'] / 2**20:.1f} MiB parameters, {memory['total'] / 2**20:.1f} MiB in all"
+             if memory else "no memory estimate (subclassed model)"), flush=True)
 
     train_iter = iter(par.distribute(lambda b: train_dataset(
         source, seed=cfg.seed, global_batch=cfg.batch_size, batch_size=b, start_step=start,
@@ -180,6 +182,9 @@ def _check_fits(cfg, memory: dict, par) -> None:
     global batch the estimate allows.
     """
     limit = cfg.device_memory_limit * 2**20
+    if limit and not memory:
+        raise UsageError("--device_memory_limit needs a memory estimate, which a subclassed model cannot give: "
+                         "build the model with the functional API, or drop --device_memory_limit")
     if not limit or memory["total"] <= limit:
         return
     with_batch = memory["activations"] + memory["input"] + memory["transient"]   # grow with the batch
