@@ -155,3 +155,13 @@ def test_both_parallelisms_declare_the_interface(devices):
     for par in (make_parallelism("data", devices[:2], 8), make_parallelism("single", devices[:1], 8)):
         assert isinstance(par, Parallelism) and not par.spmd_lowered and par.mesh_shape["model"] == 1
     # (a DTensor mesh is made in tests/test_model_parallel.py: one mesh per process)
+
+
+def test_layers_dtensor_refuses_run_their_twin_on_any_layout(mobilenet_v2):
+    """DTensor has no layout propagation for AvgPoolGrad or the depthwise backprops on ANY
+    layout: under fc_only (whole activations) MobileNetV2's depthwise convolutions still run
+    SplitDepthwiseConv2D, with their kernels whole."""
+    plan = make_plan(mobilenet_v2, "fc_only", [], {"batch": 2, "model": 2})
+    depthwise = [p for p in plan.layers if p.node.cls is L.DepthwiseConv2D]
+    assert {p.impl for p in depthwise} == {"SplitDepthwiseConv2D"}
+    assert all(p.in_layouts == (WHOLE,) and p.node.weight("kernel") not in plan.specs for p in depthwise)

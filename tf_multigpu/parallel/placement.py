@@ -64,6 +64,10 @@ ELEMENTWISE = (L.Activation, L.ReLU, L.LeakyReLU, L.ELU, L.Rescaling, L.Dropout,
                L.BatchNormalization, L.GlobalAveragePooling2D, L.GlobalMaxPooling2D)
 _NOT_PER_CHANNEL_ACTIVATIONS = ("softmax", "log_softmax")
 MERGES = (L.Add, L.Subtract, L.Multiply, L.Average, L.Maximum, L.Minimum)
+# Stock layers whose backward DTensor refuses on every layout ("'tf.AvgPoolGrad' op does not
+# implement layout propagation", the same for DepthwiseConv2dNativeBackpropInput/Filter): on a
+# mesh they always run their split-aware twin, which is exact on whole inputs too.
+DTENSOR_REFUSES = (L.AveragePooling2D, L.DepthwiseConv2D, L.SeparableConv2D)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +332,7 @@ class _Walker:
             if whole and needs_dx:
                 elems = sum(int(np.prod(s)) for s in whole)
                 collectives.append(Collective("all_gather", "model", node.name, "backward", elems))
-        if impl == "SplitSeparableConv2D":   # the pointwise contraction over split channels: partial sums
+        if impl == "SplitSeparableConv2D" and ins[0] == CHANNELS:   # pointwise over split channels: partial sums
             collectives.append(Collective("all_reduce", "model", node.name, "forward", node.out_elems))
         return LayerPlan(node, impl, ins, out, gathers and bool(split_in), kernel_split, needs_dx,
                          tuple(collectives), merge, bool(new))
@@ -351,16 +355,17 @@ class _Walker:
             if self.split(kernel):
                 return "GatherDense", CHANNELS, True, True, ""
             return ("GatherDense", WHOLE, True, False, "") if x == CHANNELS else ("", x, False, False, "")
+        if node.cls in DTENSOR_REFUSES:   # on any layout: DTensor has no layout propagation for their backward
+            impl = SPLIT_AWARE[node.cls]
+            if x != CHANNELS:
+                return impl.__name__, x, False, False, ""
+            self.follow(node, impl.VARIABLE_SPECS)
+            return impl.__name__, (CHANNELS if impl.SPLITS_OUTPUT else WHOLE), False, False, ""
         if x != CHANNELS:   # on whole or row-split activations every stock layer runs as it is
             if any(self.split(p) for p in node.weights):
                 return self._unplaceable(node, "has a split variable but no split-aware version")
             return "", x, False, False, ""
         # -- the input is split on channels ----------------------------------------------
-        if node.cls in SPLIT_AWARE and not _is(node, *MERGES):
-            impl = SPLIT_AWARE[node.cls]
-            self.follow(node, impl.VARIABLE_SPECS)
-            out = CHANNELS if impl.SPLITS_OUTPUT else WHOLE
-            return impl.__name__, out, False, False, ""
         if _is(node, L.BatchNormalization):
             if node.config.get("axis") not in (-1, len(node.out_shape), [-1], [len(node.out_shape)]):
                 return self._unplaceable(node, f"normalises axis {node.config.get('axis')}, not the split channels")
