@@ -164,4 +164,4 @@ def test_layers_dtensor_refuses_run_their_twin_on_any_layout(mobilenet_v2):
     plan = make_plan(mobilenet_v2, "fc_only", [], {"batch": 2, "model": 2})
     depthwise = [p for p in plan.layers if p.node.cls is L.DepthwiseConv2D]
     assert {p.impl for p in depthwise} == {"SplitDepthwiseConv2D"}
-    assert all(p.in_layouts == (WHOLE,) and p.node.weight("kernel") not in plan.specs for p in depthwise)
+    assert all(p.in_layouts == (WHOLE,) and not plan.split_on_model(p.node.weight("kernel")) for p in depthwise)
