@@ -71,8 +71,8 @@ def test_trace_holds_named_gradient_all_reduces_and_steps(runs):
     """The trace is the profiler's own XSpace, with step markers and the all-reduce under
     allreduce/gradients; TensorBoard gets the report's scalars."""
     trace = xspace.latest_trace(os.path.join(runs["data2"], "tensorboard"))
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    space = xplane_pb2.XSpace()
+    from tf_multigpu.compat import xplane_pb2
+    space = xplane_pb2().XSpace()
     space.ParseFromString(open(trace, "rb").read())
     names = {m.name for p in space.planes for m in p.event_metadata.values()}
     assert "train" in names

@@ -89,8 +89,8 @@ def main(_):
             return FLAGS.steps * batch / (time.perf_counter() - t0)
 
     def keras_fit(n):
-        from tf_multigpu.parallel.tf_distribute import _new_collective_key_range
-        _new_collective_key_range()
+        from tf_multigpu.compat import new_mirrored_collective_keys
+        new_mirrored_collective_keys()
         strategy = tf.distribute.MirroredStrategy(devices[:n])
         keras.utils.set_random_seed(0)
         with strategy.scope():

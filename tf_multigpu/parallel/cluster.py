@@ -140,8 +140,6 @@ class Runtime:
 
     cluster: Cluster
     local_devices: list          # this worker's devices, full names
-    devices_per_worker: int
-    peer_timeout: int
     strategy: object = None      # the MultiWorkerMirroredStrategy of --strategy=data
 
     @property
@@ -163,10 +161,10 @@ def start_runtime(cluster: Cluster, strategy: str, cpu_devices: int, num_devices
     """Starts TensorFlow's distributed runtime for this worker (first TensorFlow call)."""
     import tensorflow as tf
     device_type = _configure_local_devices(tf, cpu_devices, num_devices)
-    _configure_coordination(tf, cluster, peer_timeout)
+    _configure_coordination(cluster, peer_timeout)
     if strategy == "data":
         from tf_multigpu.parallel.multi_worker import make_multi_worker_strategy
-        mwms = make_multi_worker_strategy(cluster, device_type, cpu_devices or 0, peer_timeout)
+        mwms = make_multi_worker_strategy(cluster, device_type, cpu_devices or 0)
         local = list(mwms.extended.worker_devices)
     else:
         from tensorflow.experimental import dtensor
@@ -180,7 +178,7 @@ def start_runtime(cluster: Cluster, strategy: str, cpu_devices: int, num_devices
         mwms = None
     if num_devices:
         local = local[:num_devices]
-    return Runtime(cluster, local, len(local), peer_timeout, mwms)
+    return Runtime(cluster, local, mwms)
 
 
 def _configure_local_devices(tf, cpu_devices: int, num_devices: int) -> str:
@@ -214,21 +212,17 @@ def describe_peer_failure(error: Exception) -> str:
             "restart every worker with the same command to resume from the latest checkpoint")
 
 
-def _configure_coordination(tf, cluster: Cluster, peer_timeout: int) -> None:
+def _configure_coordination(cluster: Cluster, peer_timeout: int) -> None:
     """TensorFlow's coordination service, leader task 0, with our heartbeat timeout.
 
     A worker that stops heart-beating for `peer_timeout` seconds is declared dead and every
     other worker's pending and future operations fail; without the service (or with its
     default) a survivor can wait on a dead peer's collective much longer.
     """
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    from tensorflow.python.eager import context
-    context.context().configure_coordination_service(
-        service_type="standalone",
-        service_leader=f"/job:{JOB}/replica:0/task:0",
-        heartbeat_timeout_in_ms=peer_timeout * 1000,
+    from tf_multigpu.compat import configure_coordination_service
+    configure_coordination_service(
+        JOB, cluster.num_workers, heartbeat_timeout_s=peer_timeout,
         # Workers start at different times (imports, data loading): wait as long for them.
-        cluster_register_timeout_in_ms=max(peer_timeout, 60) * 1000,
+        register_timeout_s=max(peer_timeout, 60),
         # At exit the chief may still be exporting while the others wait for it.
-        shutdown_barrier_timeout_in_ms=max(peer_timeout, 600) * 1000,
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=JOB, num_tasks=cluster.num_workers)])
+        shutdown_timeout_s=max(peer_timeout, 600))

@@ -15,6 +15,7 @@ from typing import Callable
 
 import tensorflow as tf
 
+from tf_multigpu.compat import new_mirrored_collective_keys
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.placement import make_plan
 
@@ -34,17 +35,6 @@ def cross_device_ops(name: str, devices) -> tf.distribute.CrossDeviceOps | None:
         "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce,
         "one_device": tf.distribute.ReductionToOneDevice,
     }[name]()
-
-
-def _new_collective_key_range():
-    """Gives the next MirroredStrategy in this process collective keys of its own.
-
-    Every MirroredStrategy numbers its collective groups from 1, so a second strategy over
-    another device set in the same process (benchmarks, tests) reuses group key 1 for a group
-    of another size and fails: "Device ... is joining a group with size4, but that group has
-    size 2 (group_key=1)". TensorFlow's own tests shift this (private) base the same way.
-    """
-    tf.distribute.MirroredStrategy._collective_key_base += 100_000
 
 
 class DistributeParallelism:
@@ -67,7 +57,7 @@ class DistributeParallelism:
     def create(cls, name: str, devices, global_batch: int, all_reduce: str = "auto"):
         if name == "single":
             return cls(tf.distribute.OneDeviceStrategy(devices[0]), devices[:1], global_batch, name)
-        _new_collective_key_range()
+        new_mirrored_collective_keys()   # a second strategy in one process needs its own
         strategy = tf.distribute.MirroredStrategy(
             devices=list(devices), cross_device_ops=cross_device_ops(all_reduce, devices))
         return cls(strategy, devices, global_batch, name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_multigpu.compat import profiler_step
 from tf_multigpu.config.config import parse_profile_steps
 from tf_multigpu.profiling import analytic, report, xspace
 from tf_multigpu.profiling import collectives as coll
@@ -60,7 +61,7 @@ class StepProfiler:
             return _floats(train_fn(iterator, tf.constant(window)))
         if step + 1 == self.first:
             tf.profiler.experimental.start(self.logdir)
-        with tf.profiler.experimental.Trace("train", step_num=step + 1, _r=1):
+        with profiler_step(step + 1):
             sums = _floats(train_fn(iterator, tf.constant(1)))   # inside the marker: wait for the step
         if step + 1 == self.last:
             tf.profiler.experimental.stop()
