@@ -11,9 +11,7 @@ meaning as tf-multigpu-train's.
 import json
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up chatter off the console
-
-from absl import flags, logging
+from absl import flags
 
 from tf_multigpu import cli
 from tf_multigpu.errors import UsageError
@@ -40,7 +38,6 @@ _OWN_FLAGS = ("model", "dataset", "data_dir", "image_size", "batch_size", "profi
 def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
-    logging.set_verbosity(logging.WARNING)
     try:
         table = _plan()
     except UsageError as e:
@@ -67,6 +64,7 @@ def _plan():
         raise UsageError("--num_devices and --cpu_devices must be >= 0")
     if not 0 <= FLAGS.grad_overlap <= 1:
         raise UsageError(f"--grad_overlap={FLAGS.grad_overlap} must be in [0, 1]")
+    cli.start_tensorflow()
     from tf_multigpu import planner
     profile = None
     if FLAGS.profile != "measure":
