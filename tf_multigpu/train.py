@@ -13,6 +13,7 @@ from absl import flags
 from tf_multigpu import cli
 from tf_multigpu.cli import DOES_NOT_FIT
 from tf_multigpu.config import flags as run_flags
+from tf_multigpu.config.workload_flags import WORKLOAD_FLAGS
 from tf_multigpu.errors import DoesNotFit, UsageError
 
 PEER_LOST = 1
@@ -81,7 +82,8 @@ def _fail(message: str, status: int = cli.USAGE_ERROR):
 
 def run():
     """Console-script entry point (the flags are defined in config/flags.py)."""
-    cli.run(main, "tf-multigpu-train", [flag.name for flag in flags.FLAGS.get_flags_for_module(run_flags)])
+    cli.run(main, "tf-multigpu-train",
+            [flag.name for flag in flags.FLAGS.get_flags_for_module(run_flags)] + list(WORKLOAD_FLAGS))
 
 
 if __name__ == "__main__":

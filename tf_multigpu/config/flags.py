@@ -15,6 +15,7 @@ from tf_multigpu.config.config import (
     STRATEGIES,
     Config,
 )
+from tf_multigpu.config.workload_flags import define_workload_flags
 
 _D = Config  # defaults live on the dataclass; flags only restate them
 
@@ -43,15 +44,9 @@ flags.DEFINE_integer("cpu_devices", _D.cpu_devices,
                      "every strategy on any machine, not for speed. 0: GPUs if any, else 2 logical CPUs.")
 flags.DEFINE_string("all_reduce", _D.all_reduce, f"Cross-device gradient reduction for --strategy=data: "
                     f"one of {', '.join(ALL_REDUCE)} (auto: TensorFlow's choice; nccl needs GPUs).")
-flags.DEFINE_string("dataset", _D.dataset, "digits (scikit-learn's 1,797 handwritten digits, no "
-                    "download), synthetic (random ImageNet-shaped images, for benchmarks), or "
-                    "tfds:NAME (a TFDS image classification set prepared under --data_dir).")
-flags.DEFINE_string("data_dir", _D.data_dir, "TFDS data directory for --dataset=tfds:NAME.")
-flags.DEFINE_integer("image_size", _D.image_size, "Resize images to SIZE x SIZE (0: the data set's own "
-                     "size; synthetic: 224).")
-flags.DEFINE_string("model", _D.model, "alexnet, small_convnet, or package.module:function returning a "
-                    "Keras model from (input_shape, num_classes).")
-flags.DEFINE_integer("batch_size", _D.batch_size, "GLOBAL batch size, split evenly over the replicas.")
+# --model, --dataset, --data_dir, --image_size, --batch_size: shared with tf-multigpu-plan and the tools.
+define_workload_flags(model=_D.model, dataset=_D.dataset, data_dir=_D.data_dir, image_size=_D.image_size,
+                      batch_size=_D.batch_size)
 flags.DEFINE_integer("steps", _D.steps, "Training steps in all (overrides --epochs). 0: build, export "
                      "the initial model and exit.")
 flags.DEFINE_float("epochs", _D.epochs, "Training epochs, when --steps is not given.")

@@ -1,7 +1,7 @@
 """The communication report: per profiled step, compute and communication time (from the
 trace) and, per device, the bytes each kind of communication moved (from the lowered graph)
 next to the analytic minimum for the strategy. Written as JSON, Markdown and TensorBoard
-scalars; `tools/comm_report.py RUN_DIR` rebuilds it from a run directory.
+scalars; `python -m tools.comm_report --run_dir=RUN_DIR` rebuilds it from a run directory.
 """
 
 from __future__ import annotations
