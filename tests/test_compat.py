@@ -154,7 +154,8 @@ def _root(node):
 def private_uses(path: str, text: str) -> list:
     """Private TensorFlow/Keras uses in one file: a private module named anywhere (code or
     docs), an underscore attribute reached from a TensorFlow/Keras name, a call of
-    `super()._hook`, an `_argument=` to a TensorFlow/Keras call, or a `_method` defined in a class that derives from TensorFlow/Keras and
+    `super()._hook`, an `_argument=` to a TensorFlow/Keras call, or a `_method` defined in a class
+    that derives from TensorFlow/Keras and
     overrides or reads (`self._x`) a private member the TensorFlow/Keras base defines."""
     found = [f"{path}: mentions {m}" for m in _PRIVATE_MODULES if m in text]
     tree = ast.parse(text)

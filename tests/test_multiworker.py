@@ -25,7 +25,6 @@ from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.cluster import resolve_cluster
 from tools import launch_local
 
-
 USAGE_ERROR = 2
 STEPS = 160          # long enough that a SIGTERM sent after checkpoint 10 lands mid-run
 COMMON = [f"--steps={STEPS}", "--batch_size=32", "--checkpoint_every=10", "--log_every=2",
@@ -154,6 +153,7 @@ def test_two_workers_data_parallel_match_one_process(one_process, tmp_path):
     done = _launch(run_dir, ["--strategy=data", "--cpu_devices=2"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "[w0] data parallelism on 4 device(s): /job:worker/replica:0/task:0/device:CPU:0" in done.stdout
+    assert "[w1] data parallelism" not in done.stdout   # the chief alone prints the banner
     _assert_same_weights(run_dir, one_process)
     # The chief alone writes the run directory; the other worker's checkpoints are gone.
     assert json.load(open(os.path.join(run_dir, "summary.json")))["step"] == STEPS
@@ -172,7 +172,8 @@ def test_two_clients_hybrid_mesh_match_one_process(tmp_path):
     two = str(tmp_path / "two")
     done = _launch(two, ["--cpu_devices=2", *flags], via="flags")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "[w1] hybrid parallelism on 4 device(s)" in done.stdout
+    assert "[w0] hybrid parallelism on 4 device(s)" in done.stdout
+    assert "[w1] hybrid parallelism" not in done.stdout   # the chief alone prints the banner
     _assert_same_weights(two, one)
     assert os.path.exists(os.path.join(two, "export", "saved_model.pb"))
 
@@ -219,6 +220,7 @@ def test_killed_worker_makes_the_other_fail_with_one_line(tmp_path):
 
 def test_lost_peer_errors_are_one_line():
     import tensorflow as tf
+
     from tf_multigpu.parallel.cluster import describe_peer_failure
     # The texts TensorFlow 2.21 raised here: a killed peer (socket closed / reset), a frozen one.
     texts = {

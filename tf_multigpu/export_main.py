@@ -34,7 +34,7 @@ def main(argv):
         _fail("--run_dir is required: give the --run_dir of a training run")
     try:
         cli.start_tensorflow()
-        from tf_multigpu.export import export_from_checkpoint   # imports TensorFlow
+        from tf_multigpu.export import export_from_checkpoint  # imports TensorFlow
         result = export_from_checkpoint(FLAGS.run_dir, FLAGS.checkpoint, FLAGS.export_dir, FLAGS.evaluate)
     except UsageError as e:
         _fail(str(e))

@@ -2,8 +2,9 @@
 
 Intentionally short: parse flags, build one validated config, find the cluster (if any),
 start TensorFlow quietly (`cli.start_tensorflow`), configure the devices or start the
-multi-worker runtime (before TensorFlow initialises), and call the training loop. Bad input prints one line and exits 2; a SIGTERM stops after a
-checkpoint with status 143; a lost worker is one line and status 1.
+multi-worker runtime (before TensorFlow initialises), and call the training loop. Bad input
+prints one line and exits 2; a SIGTERM stops after a checkpoint with status 143; a lost worker
+is one line and status 1.
 """
 
 import json

@@ -90,7 +90,8 @@ def settings_from_flags() -> dict:
         "strategies": FLAGS.strategies, "devices": _ints("devices"), "batch_sizes": _ints("batch_sizes"),
         "models": FLAGS.models, "dataset": FLAGS.dataset, "image_size": FLAGS.image_size,
         "warmup_steps": FLAGS.warmup_steps, "timed_steps": FLAGS.timed_steps, "cpu_devices": FLAGS.cpu_devices,
-        "repeats": FLAGS.repeats, "threads": FLAGS.threads or os.cpu_count(), "peers": FLAGS.peers, "timeout_s": FLAGS.timeout_s,
+        "repeats": FLAGS.repeats, "threads": FLAGS.threads or os.cpu_count(), "peers": FLAGS.peers,
+        "timeout_s": FLAGS.timeout_s,
         "out_dir": FLAGS.out_dir, "dtype": FLAGS.dtype, "xla": FLAGS.xla,
     }
     if FLAGS.paper:

@@ -21,6 +21,7 @@ import tempfile
 from absl import flags, logging
 
 from tf_multigpu import cli
+from tf_multigpu.config import RunPaths
 from tf_multigpu.config.workload_flags import define_workload_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +60,7 @@ def measure_plan(plan, workdir) -> float:
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{plan.label} failed: {done.stderr.strip().splitlines()[-1]}")
-    with open(os.path.join(run_dir, "summary.json")) as f:
+    with open(RunPaths(run_dir).summary) as f:
         return json.load(f)["step_time_s"]
 
 

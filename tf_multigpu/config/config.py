@@ -62,7 +62,7 @@ class Config:
     logical_gpus: int = 1         # logical GPUs carved from each physical GPU
     export: bool = True           # write the SavedModel at the end
     profile_steps: str = ""       # "A,B": trace steps A..B (1-based) for TensorBoard and the comm report
-    worker_hosts: str = ""        # host:port of every worker, same list everywhere ("": TF_CONFIG, Slurm or one process)
+    worker_hosts: str = ""        # every worker's host:port, same list everywhere ("": TF_CONFIG, Slurm, one process)
     task_index: int | None = None   # this worker's position in worker_hosts (0 is the chief)
     peer_timeout: int = 60        # seconds without a heartbeat before a worker is declared lost
 

@@ -9,7 +9,7 @@ export embeds the same function, so a client sends pixels as the data set stores
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import tensorflow as tf
 

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-from typing import Optional
 
 from tf_multigpu.errors import UsageError
 
@@ -53,8 +52,8 @@ class Cluster:
         return {JOB: list(self.hosts)}
 
 
-def resolve_cluster(worker_hosts: str = "", task_index: Optional[int] = None,
-                    environ=os.environ) -> Optional[Cluster]:
+def resolve_cluster(worker_hosts: str = "", task_index: int | None = None,
+                    environ=os.environ) -> Cluster | None:
     """The cluster this process belongs to, or None for a single-process run."""
     if worker_hosts:
         return _from_flags(worker_hosts, task_index)
@@ -81,7 +80,7 @@ def parse_worker_hosts(text: str) -> tuple:
     return hosts
 
 
-def _from_flags(worker_hosts: str, task_index: Optional[int]) -> Cluster:
+def _from_flags(worker_hosts: str, task_index: int | None) -> Cluster:
     hosts = parse_worker_hosts(worker_hosts)
     if task_index is None:
         raise UsageError("--worker_hosts needs --task_index=I: this worker's position in the list (0 is the chief)")

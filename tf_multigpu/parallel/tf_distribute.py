@@ -11,7 +11,7 @@ devices: the same code, with each worker reading only its replicas' rows of ever
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import tensorflow as tf
 
