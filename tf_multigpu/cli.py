@@ -84,10 +84,9 @@ def configure_logging(verbose: bool) -> None:
         os.environ[_OURS] = "" if verbose else "1"   # child processes tell ours from the user's
 
 
-def start_tensorflow(find_devices: bool = True):
-    """Imports TensorFlow and (`find_devices`) lists the physical devices, which initialises
-    CUDA or fails to, keeping the start-up logging the log level should hide off the console.
-    Returns `tf`. A process that only reads files or draws a progress bar passes False.
+def start_tensorflow():
+    """Imports TensorFlow and lists the physical devices (which initialises CUDA, or fails to),
+    keeping the start-up logging the log level should hide off the console. Returns `tf`.
 
     Call it where a command first needs TensorFlow; a process that already imported it (a
     test, a notebook) is left alone. Listing the physical devices leaves them configurable
@@ -98,16 +97,14 @@ def start_tensorflow(find_devices: bool = True):
     verbose = flags.FLAGS.is_parsed() and flags.FLAGS.verbose
     if verbose:
         import tensorflow as tf
-        if find_devices:
-            tf.config.list_physical_devices()
+        tf.config.list_physical_devices()
         return tf
     level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", _QUIET_LEVEL)
     level = int(level) if level.isdigit() else 0
     ours = os.environ.get(_OURS) == "1" or "TF_CPP_MIN_LOG_LEVEL" not in os.environ
     with _stderr_filtered(lambda line: _shown(line, level, ours)):
         import tensorflow as tf
-        if find_devices:
-            tf.config.list_physical_devices()
+        tf.config.list_physical_devices()
     return tf
 
 

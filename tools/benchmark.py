@@ -60,7 +60,6 @@ def main(argv):
         _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
     try:
         settings = settings_from_flags()
-        cli.start_tensorflow(find_devices=False)   # the sweep's checks and progress bar; workers train
         from tools.bench.sweep import run_sweep
         paths = run_sweep(settings)
     except UsageError as e:

@@ -22,7 +22,7 @@ def main(argv):
         cli.fail(PROG, f"unexpected arguments {argv[1:]}: give the run as --run_dir=RUN_DIR")
     if not FLAGS.run_dir:
         cli.fail(PROG, "--run_dir is required: give a run trained with --profile_steps=A,B")
-    cli.start_tensorflow(find_devices=False)   # reads files only
+    cli.start_tensorflow()
     from tf_multigpu.profiling import report
     try:
         result = report.rebuild(FLAGS.run_dir)

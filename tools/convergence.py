@@ -45,7 +45,7 @@ def main(argv):
                 raise UsageError(f"--{name}={FLAGS[name].value} must be >= {low}")
         from tools.bench.convergence import parse_configs, run_convergence
         parse_configs(FLAGS.configs)   # bad --configs: one line before anything trains
-        cli.start_tensorflow(find_devices=False)   # the progress bar and curve reader; runs train apart
+        cli.start_tensorflow()   # quietly, for the progress bar and the curve reader (runs train apart)
         paths = run_convergence({name: FLAGS[name].value for name in (
             "out_dir", "configs", "dataset", "model", "image_size", "batch_size", "steps", "eval_every",
             "learning_rate", "seed", "cpu_devices", "timeout_s")})
