@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+_USER_LEVEL = "TF_CPP_MIN_LOG_LEVEL" in os.environ
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
@@ -16,6 +17,10 @@ NUM_TEST_DEVICES = 8
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_TEST_DEVICES)
 DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
+# The commands the tests start see the environment a user has: TensorFlow read the level it
+# keeps this process quiet with when it started, and commands choose their own (cli.py).
+if os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "2" and not _USER_LEVEL:
+    del os.environ["TF_CPP_MIN_LOG_LEVEL"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -7,7 +7,6 @@ does for each configuration); the statistics and tables are also checked on made
 import csv
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
@@ -22,7 +21,8 @@ TORCH = importlib.util.find_spec("torch") is not None
 
 
 def _tool(name, *args, timeout=300):
-    return subprocess.run([sys.executable, os.path.join(REPO, "tools", name), *args], cwd=REPO,
+    module = "tools." + name.removesuffix(".py")
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
 
 

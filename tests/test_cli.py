@@ -4,11 +4,13 @@ the default command trains on digits to >= 97% and exports a servable model."""
 import hashlib
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 from tests.helpers import serve_digits
 
 USAGE_ERROR = 2
@@ -86,3 +88,56 @@ def test_default_command_learns_digits_and_exports_a_servable_model(tmp_path):
     assert abs(result["accuracy"] - summary["test_accuracy"]) < 1e-9
     np.testing.assert_allclose(np.sum(result["probabilities"], axis=1), 1.0, atol=1e-5)
 
+
+
+# -- a quiet start ---------------------------------------------------------------------------
+
+_NO_GPU_STARTUP = """\
+WARNING: All log messages before absl::InitializeLog() is called are written to STDERR
+I0000 00:00:1796077838.587269    1832 port.cc:153] oneDNN custom operations are on. You may see ...
+I0000 00:00:1796077838.587614    1832 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU ...
+I0000 00:00:1796078007.033199    3947 cpu_feature_guard.cc:227] This TensorFlow binary is optimized ...
+To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild TensorFlow ...
+E0000 00:00:1796077841.977286    1832 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error: ...
+W0000 00:00:1796077841.977286    1832 something.cc:1] a warning
+E0000 00:00:1796077841.977286    1832 something.cc:2] a real error
+a line of our own
+"""
+
+
+@pytest.mark.parametrize("level, ours, expected", [
+    (2, True, ["a real error", "a line of our own"]),          # our default: errors, minus cuInit without a GPU
+    (1, False, ["failed call to cuInit", "a warning", "a real error", "a line of our own"]),   # the user's level
+    (0, False, ["InitializeLog", "oneDNN", "cuda drivers", "optimized", "To enable", "cuInit", "a warning",
+                "a real error", "a line of our own"]),
+])
+def test_start_up_logging_is_filtered_to_the_log_level(monkeypatch, capfd, level, ours, expected):
+    from tf_multigpu import cli
+    monkeypatch.setattr(cli, "_nvidia_device_present", lambda: False)
+    with cli._stderr_filtered(lambda line: cli._shown(line, level, ours)):
+        os.write(2, _NO_GPU_STARTUP.encode())
+    shown = capfd.readouterr().err.splitlines()
+    assert len(shown) == len(expected) and all(e in line for e, line in zip(expected, shown)), shown
+
+
+def test_cuinit_failing_with_an_nvidia_device_is_shown(monkeypatch):
+    from tf_multigpu import cli
+    monkeypatch.setattr(cli, "_nvidia_device_present", lambda: True)
+    assert cli._shown("E0000 00:00:1.0 1 cuda_platform.cc:52] failed call to cuInit: INTERNAL\n", 2, True)
+
+
+def _clean_env():
+    """The user's environment: no log level of ours or of the test set-up."""
+    return {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_MULTIGPU_QUIET")}
+
+
+@pytest.mark.slow
+def test_a_usage_error_prints_exactly_one_line_tensorflow_start_up_included(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tf_multigpu.train", f"--run_dir={tmp_path / 'X'}",
+                           "--batch_size=7", "--cpu_devices=2"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=_clean_env())
+    assert done.returncode == USAGE_ERROR
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "tf-multigpu-train: error: --batch_size=7 (the global batch) does not divide by the 2 replicas: "
+        "use a multiple of 2, e.g. --batch_size=6"], done.stderr

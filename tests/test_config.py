@@ -48,7 +48,8 @@ def test_bad_values_name_the_fix(change, needle):
 def test_global_batch_must_divide_by_replicas():
     cfg = Config(run_dir="r", batch_size=30)
     cfg.check_devices(3)
-    with pytest.raises(UsageError, match=r"does not divide by the 4 replicas: use a multiple of 4, e.g. --batch_size=28"):
+    with pytest.raises(UsageError,
+                       match=r"does not divide by the 4 replicas: use a multiple of 4, e.g. --batch_size=28"):
         cfg.check_devices(4)
 
 

@@ -5,8 +5,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from tf_multigpu.data import load_source
-from tf_multigpu.data import pipeline
+from tf_multigpu.data import load_source, pipeline
 from tf_multigpu.data.pipeline import steps_per_epoch, train_dataset
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel import make_parallelism

@@ -14,14 +14,13 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
+from tests.conftest import run_cli
+from tests.helpers import checkpoint_values, keep_only_checkpoint
 from tf_multigpu.config import Config
-from tf_multigpu.data import load_source
-from tf_multigpu.data import pipeline
+from tf_multigpu.data import load_source, pipeline
 from tf_multigpu.data.pipeline import train_dataset
 from tf_multigpu.errors import UsageError
 from tf_multigpu.training.loop import train
-from tests.conftest import run_cli
-from tests.helpers import checkpoint_values, keep_only_checkpoint
 
 USAGE_ERROR = 2
 

@@ -1,5 +1,5 @@
 """--device_memory_limit (RQ5): a run that does not fit says so in one line with exit status 3
-before writing anything, and tools/max_batch.py finds the largest global batch that fits."""
+before writing anything, and `python -m tools.max_batch` finds the largest global batch that fits."""
 
 import json
 import os
@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, run_cli
-
-DOES_NOT_FIT = 3
+from tf_multigpu.cli import DOES_NOT_FIT
 
 
 def test_a_run_over_the_memory_limit_exits_3_and_names_the_largest_batch(tmp_path):
@@ -39,7 +38,7 @@ def test_logical_gpus_need_a_memory_limit(tmp_path):
 
 @pytest.mark.slow
 def test_max_batch_finds_the_boundary(tmp_path):
-    done = subprocess.run([sys.executable, "tools/max_batch.py", "--model=small_convnet", "--dataset=digits",
+    done = subprocess.run([sys.executable, "-m", "tools.max_batch", "--model=small_convnet", "--dataset=digits",
                            "--device_memory_limit=8", "--strategies=data", "--cpu_devices=2", "--start_batch=128",
                            "--max_batch=1024", "--resolution=128", f"--out_dir={tmp_path}"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)

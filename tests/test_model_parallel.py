@@ -18,8 +18,8 @@ from tests.helpers import checkpoint_values, keep_only_checkpoint, serve_digits
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.errors import UsageError
-from tf_multigpu.parallel import make_parallelism
 from tf_multigpu.models import build_model
+from tf_multigpu.parallel import make_parallelism
 from tf_multigpu.parallel.layouts import assign_specs, parse_rules
 from tf_multigpu.parallel.memory import bytes_per_device, saved_elems
 from tf_multigpu.parallel.placement import make_plan, model_graph, policy_rules
@@ -55,7 +55,8 @@ def test_each_split_kernel_holds_one_mth_per_device(devices):
 def test_filter_split_alexnet_on_4_devices_needs_at_most_27_percent(devices):
     par, model, optimizer = _build(devices, "alexnet", "synthetic")
     split = bytes_per_device(par.plan, 32)
-    full = bytes_per_device(make_plan(build_model("alexnet", (224, 224, 3), 1000), "", [], {"batch": 1, "model": 1}), 32)
+    unsplit = make_plan(build_model("alexnet", (224, 224, 3), 1000), "", [], {"batch": 1, "model": 1})
+    full = bytes_per_device(unsplit, 32)
     ratio = (split["parameters"] + split["optimizer_slots"]) / (full["parameters"] + full["optimizer_slots"])
     assert ratio <= 0.27, ratio
     assert split["activations"] < full["activations"]
@@ -120,7 +121,8 @@ def test_layout_rules_are_checked():
     (["--strategy=model", "--mesh=model:two"], "is not batch:B,model:M"),
     (["--strategy=model", "--layout=pipeline"], "unknown --layout='pipeline': choose one of filter_split, fc_only"),
     (["--strategy=model", "--layout_rules=.*conv9/kernel=-,-,-,model"], "match no variable"),
-    (["--strategy=model", "--cpu_devices=3", "--batch_size=63"], "conv1/kernel dimension 3 (32) does not divide by the 3 devices"),
+    (["--strategy=model", "--cpu_devices=3", "--batch_size=63"],
+     "conv1/kernel dimension 3 (32) does not divide by the 3 devices"),
     (["--strategy=data", "--mesh=batch:2,model:1"], "--mesh applies to --strategy=model or hybrid"),
 ])
 def test_bad_meshes_and_layouts_exit_2(tmp_path, flags, needle):

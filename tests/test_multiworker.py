@@ -10,7 +10,6 @@ descriptions are one line and exit 2. Every subprocess has a bounded timeout.
 import glob
 import json
 import os
-import runpy
 import signal
 import subprocess
 import sys
@@ -24,8 +23,7 @@ from tests.conftest import REPO, run_cli
 from tests.helpers import checkpoint_values
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.cluster import resolve_cluster
-
-launch_local = runpy.run_path(os.path.join(REPO, "tools", "launch_local.py"))   # a script, not a package
+from tools import launch_local
 
 USAGE_ERROR = 2
 STEPS = 160          # long enough that a SIGTERM sent after checkpoint 10 lands mid-run
@@ -36,8 +34,8 @@ RUN_TIMEOUT = 240
 
 def _start_workers(run_dir, tmp_path, flags, workers=2, via="tf_config"):
     """Worker processes as launch_local starts them, each writing to its own log file."""
-    commands = launch_local["worker_commands"](workers, [f"--run_dir={run_dir}", *COMMON, *flags], via,
-                                            launch_local["free_ports"](workers))
+    commands = launch_local.worker_commands(workers, [f"--run_dir={run_dir}", *COMMON, *flags], via,
+                                            launch_local.free_ports(workers))
     procs = []
     for index, (argv, env) in enumerate(commands):
         name = tmp_path / f"{os.path.basename(run_dir)}-w{index}-{time.monotonic_ns()}"
@@ -72,8 +70,8 @@ def _wait_for(path_pattern, procs, timeout=RUN_TIMEOUT):
 
 
 def _launch(run_dir, flags, via="tf_config"):
-    """tools/launch_local.py with the common flags; returns CompletedProcess."""
-    return subprocess.run([sys.executable, "tools/launch_local.py", "--workers=2", f"--via={via}",
+    """python -m tools.launch_local with the common flags; returns CompletedProcess."""
+    return subprocess.run([sys.executable, "-m", "tools.launch_local", "--workers=2", f"--via={via}",
                            f"--timeout={RUN_TIMEOUT}", "--", f"--run_dir={run_dir}", *COMMON, *flags],
                           cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT + 30)
 
@@ -155,6 +153,7 @@ def test_two_workers_data_parallel_match_one_process(one_process, tmp_path):
     done = _launch(run_dir, ["--strategy=data", "--cpu_devices=2"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "[w0] data parallelism on 4 device(s): /job:worker/replica:0/task:0/device:CPU:0" in done.stdout
+    assert "[w1] data parallelism" not in done.stdout   # the chief alone prints the banner
     _assert_same_weights(run_dir, one_process)
     # The chief alone writes the run directory; the other worker's checkpoints are gone.
     assert json.load(open(os.path.join(run_dir, "summary.json")))["step"] == STEPS
@@ -173,7 +172,8 @@ def test_two_clients_hybrid_mesh_match_one_process(tmp_path):
     two = str(tmp_path / "two")
     done = _launch(two, ["--cpu_devices=2", *flags], via="flags")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "[w1] hybrid parallelism on 4 device(s)" in done.stdout
+    assert "[w0] hybrid parallelism on 4 device(s)" in done.stdout
+    assert "[w1] hybrid parallelism" not in done.stdout   # the chief alone prints the banner
     _assert_same_weights(two, one)
     assert os.path.exists(os.path.join(two, "export", "saved_model.pb"))
 
@@ -220,6 +220,7 @@ def test_killed_worker_makes_the_other_fail_with_one_line(tmp_path):
 
 def test_lost_peer_errors_are_one_line():
     import tensorflow as tf
+
     from tf_multigpu.parallel.cluster import describe_peer_failure
     # The texts TensorFlow 2.21 raised here: a killed peer (socket closed / reset), a frozen one.
     texts = {
@@ -237,7 +238,7 @@ def test_lost_peer_errors_are_one_line():
 
 
 def test_launcher_prefixes_output_and_fails_when_a_worker_fails(tmp_path):
-    done = subprocess.run([sys.executable, "tools/launch_local.py", "--workers=2", "--timeout=120", "--",
+    done = subprocess.run([sys.executable, "-m", "tools.launch_local", "--workers=2", "--timeout=120", "--",
                            f"--run_dir={tmp_path / 'run'}", "--peer_timeout=0"],
                           cwd=REPO, capture_output=True, text=True, timeout=150)
     assert done.returncode == USAGE_ERROR, done.stdout + done.stderr

@@ -14,11 +14,11 @@ import tensorflow as tf
 from tests.helpers import checkpoint_values, max_update_difference, one_step
 from tests.test_parity import TOLERANCE
 from tests.user_models import small_resnet_bn
+from tf_multigpu.compat import new_mirrored_collective_keys
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.parallel import make_parallelism
 from tf_multigpu.parallel.stateless_dropout import StatelessDropout, stateless_dropout
-from tf_multigpu.parallel.tf_distribute import _new_collective_key_range
 from tf_multigpu.training.loop import train
 
 BN_MODEL = "tests.user_models:small_resnet_bn"
@@ -41,7 +41,7 @@ def test_masks_of_two_replicas_are_one_devices_mask(devices):
     """Each replica drops exactly the elements one device drops in its rows of the batch."""
     x = tf.reshape(tf.range(1, 8 * 6 * 5 + 1, dtype=tf.float32), [8, 6, 5])
     whole = _dropout()(x, training=True).numpy()
-    _new_collective_key_range()
+    new_mirrored_collective_keys()
     strategy = tf.distribute.MirroredStrategy(devices[:2])
     layer = _dropout()
     shares = strategy.experimental_distribute_values_from_function(lambda ctx: x[4 * ctx.replica_id_in_sync_group:][:4])

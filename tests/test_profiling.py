@@ -71,8 +71,8 @@ def test_trace_holds_named_gradient_all_reduces_and_steps(runs):
     """The trace is the profiler's own XSpace, with step markers and the all-reduce under
     allreduce/gradients; TensorBoard gets the report's scalars."""
     trace = xspace.latest_trace(os.path.join(runs["data2"], "tensorboard"))
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    space = xplane_pb2.XSpace()
+    from tf_multigpu.compat import xplane_pb2
+    space = xplane_pb2().XSpace()
     space.ParseFromString(open(trace, "rb").read())
     names = {m.name for p in space.planes for m in p.event_metadata.values()}
     assert "train" in names
@@ -128,14 +128,15 @@ def test_profiling_does_not_change_the_result(runs):
 
 
 def test_comm_report_tool_rebuilds_the_report(runs):
-    done = subprocess.run([sys.executable, "tools/comm_report.py", str(runs["model2"])], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "tools.comm_report", f"--run_dir={runs['model2']}"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| activations |" in done.stdout and "| mean |" in done.stdout
-    missing = subprocess.run([sys.executable, "tools/comm_report.py", str(runs["data2_plain"])], cwd=REPO,
+    missing = subprocess.run([sys.executable, "-m", "tools.comm_report", f"--run_dir={runs['data2_plain']}"], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2
-    assert "train with --profile_steps=A,B first" in missing.stderr.strip().splitlines()[-1]
+    assert missing.stderr.startswith("comm_report: error: ") and len(missing.stderr.splitlines()) == 1, missing.stderr
+    assert "train with --profile_steps=A,B first" in missing.stderr
 
 
 @pytest.mark.parametrize("flags, needle", [

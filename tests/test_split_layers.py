@@ -155,7 +155,8 @@ def test_batchnorm_on_split_channels_equals_one_device(devices, b, m, training, 
     device, so per-replica statistics would differ), moving averages updated as on one device,
     no `model` traffic; inference mode uses the moving statistics. `synchronized=True` (what
     data parallelism may set) changes nothing on a mesh."""
-    bn = lambda: keras.layers.BatchNormalization(momentum=0.9, synchronized=synchronized, name="bn")
+    def bn():
+        return keras.layers.BatchNormalization(momentum=0.9, synchronized=synchronized, name="bn")
     specs = M.STOCK_VARIABLE_SPECS[keras.layers.BatchNormalization]
     check_parity(devices, bn, bn, [_x()], [SPLIT4], b, m, SPLIT4, specs, training=training)
 
@@ -277,7 +278,8 @@ def test_split_depthwise_conv_after_zero_padding_like_mobilenet_v2(devices):
 # -- f) SeparableConv2D and grouped Conv2D --------------------------------------------------
 @pytest.mark.parametrize("b,m", MESHES)
 @pytest.mark.parametrize("kw", [{"filters": 6, "kernel_size": 3, "padding": "same"},
-                                {"filters": 6, "kernel_size": 3, "strides": 2, "depth_multiplier": 2}], ids=["s1_same", "s2_valid_mult2"])
+                                {"filters": 6, "kernel_size": 3, "strides": 2, "depth_multiplier": 2}],
+                         ids=["s1_same", "s2_valid_mult2"])
 def test_split_separable_conv_equals_keras_with_one_all_reduce(devices, kw, b, m):
     seen = check_parity(devices, lambda: keras.layers.SeparableConv2D(name="sep", **kw),
                         lambda: M.SplitSeparableConv2D(name="sep", **kw), [_x()], [SPLIT4], b, m, WHOLE4,
@@ -321,7 +323,8 @@ def test_split_layers_keep_the_stock_weights_names_and_config(stock, split, kw):
 
 
 @pytest.mark.parametrize("make", [lambda: M.SplitDepthwiseConv2D(3, dilation_rate=2, name="layer"),
-                                  lambda: M.SplitGroupedConv2D(4, 3, groups=2, data_format="channels_first", name="layer"),
+                                  lambda: M.SplitGroupedConv2D(4, 3, groups=2, data_format="channels_first",
+                                                               name="layer"),
                                   lambda: M.SliceAvgPool2D(2, data_format="channels_first", name="layer")],
                          ids=["dilation", "channels_first", "avg_pool_channels_first"])
 def test_unsupported_geometry_is_a_one_line_error_with_the_fix(make):

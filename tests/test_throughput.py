@@ -6,11 +6,10 @@ import sys
 
 import pytest
 
-from tf_multigpu.data import load_source
-from tf_multigpu.data import pipeline
+from tests.conftest import REPO
+from tf_multigpu.data import load_source, pipeline
 from tf_multigpu.data.pipeline import train_dataset
 from tf_multigpu.data.throughput import HEADROOM, InputCheck
-from tests.conftest import REPO
 
 
 def _check(share=1.0):
@@ -50,6 +49,7 @@ def test_input_threads_give_the_pipelines_their_own_pool():
     digits = load_source("digits", input_threads=5)
     train = train_dataset(digits, seed=0, global_batch=64, batch_size=64)
     assert train.options().threading.private_threadpool_size == 5
-    assert pipeline.test_dataset(digits, global_batch=64, batch_size=64).options().threading.private_threadpool_size == 5
+    options = pipeline.test_dataset(digits, global_batch=64, batch_size=64).options()
+    assert options.threading.private_threadpool_size == 5
     default = train_dataset(load_source("digits"), seed=0, global_batch=64, batch_size=64)
     assert not default.options().threading.private_threadpool_size

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.helpers import checkpoint_values, keep_only_checkpoint
 from tf_multigpu.config import Config
 from tf_multigpu.errors import UsageError
 from tf_multigpu.training.loop import train
-from tests.helpers import checkpoint_values, keep_only_checkpoint
 
 
 @pytest.fixture

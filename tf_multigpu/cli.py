@@ -1,12 +1,42 @@
-"""What every command-line tool of the package shares: bad input is one line on stderr
-(`PROG: error: ...`) and exit status 2, including absl's own flag errors (absl would exit 1
-with a multi-line message)."""
+"""What every command-line program of the package shares (tf-multigpu-train/plan/export and
+the tools under tools/).
 
+- Bad input is one line on stderr (`PROG: error: ...`) and exit status 2, absl's own flag
+  errors included (absl would exit 1 with a multi-line message); a run that does not fit the
+  device memory exits 3 (`DOES_NOT_FIT`), so a batch-size search can tell the two apart.
+- A quiet start: TensorFlow's C++ start-up logging (oneDNN, "Could not find cuda drivers",
+  "failed call to cuInit" on a machine without a GPU, twice over) stays off the console.
+  TensorFlow writes part of it before its log level applies, so `TF_CPP_MIN_LOG_LEVEL` alone
+  cannot hide it: `start_tensorflow` imports TensorFlow and finds the devices with the
+  process's stderr held, then passes on what the level lets through. `--verbose`, or a
+  `TF_CPP_MIN_LOG_LEVEL` the user set, brings the logging back.
+
+This module must not import TensorFlow: entry points import it first, and TensorFlow reads
+its log level when it is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
 import sys
+import tempfile
 
 from absl import flags
 
 USAGE_ERROR = 2
+DOES_NOT_FIT = 3   # out of device memory: tools/max_batch.py's search reads it
+
+flags.DEFINE_bool("verbose", False, "Show TensorFlow's start-up and C++ logging and INFO diagnostics "
+                  "(default: only warnings and errors).")
+
+_QUIET_LEVEL = "2"   # TensorFlow's C++ log level by default: errors only
+# absl's C++ log lines: severity letter, then MMDD (0000 before absl's logging is initialised).
+_CPP_LOG = re.compile(r"^([IWEF])\d{4} ")
+_SEVERITY = "IWEF"
+_OURS = "TF_MULTIGPU_QUIET"   # "1": TF_CPP_MIN_LOG_LEVEL is our default, not the user's
+_PRE_INIT_BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 
 
 def fail(prog: str, message: str, status: int = USAGE_ERROR):
@@ -15,15 +45,21 @@ def fail(prog: str, message: str, status: int = USAGE_ERROR):
     sys.exit(status)
 
 
-def run(main, prog: str, flag_names) -> None:
-    """`absl.app.run(main)` with one-line flag errors, and `--help` listing `flag_names`.
+def run(main, prog: str, flag_names=()) -> None:
+    """`absl.app.run(main)` with one-line flag errors, `--verbose`, and `--help` listing
+    `flag_names` (and --verbose).
 
     absl's --help lists the flags of the module sys.argv[0] names: for a console script
     that is the installed wrapper, which defines none, so ours are listed under it too."""
     from absl import app
-    for name in flag_names:
+    for name in (*flag_names, "verbose"):
         flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS[name])
-    app.run(main, flags_parser=flags_parser(prog))
+
+    def main_with_logging(argv):
+        configure_logging(flags.FLAGS.verbose)
+        return main(argv)
+
+    app.run(main_with_logging, flags_parser=flags_parser(prog))
 
 
 def flags_parser(prog: str):
@@ -36,3 +72,88 @@ def flags_parser(prog: str):
             fail(prog, f"{e} (see --help)")
 
     return parse
+
+
+def configure_logging(verbose: bool) -> None:
+    """Our diagnostics through absl logging at WARNING (INFO with --verbose), and TensorFlow's
+    C++ log level, unless the user set `TF_CPP_MIN_LOG_LEVEL`. Before TensorFlow is imported."""
+    from absl import logging
+    logging.set_verbosity(logging.INFO if verbose else logging.WARNING)
+    if "TF_CPP_MIN_LOG_LEVEL" not in os.environ:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0" if verbose else _QUIET_LEVEL
+        os.environ[_OURS] = "" if verbose else "1"   # child processes tell ours from the user's
+
+
+def start_tensorflow():
+    """Imports TensorFlow and lists the physical devices (which initialises CUDA, or fails to),
+    keeping the start-up logging the log level should hide off the console. Returns `tf`.
+
+    Call it where a command first needs TensorFlow; a process that already imported it (a
+    test, a notebook) is left alone. Listing the physical devices leaves them configurable
+    (logical devices, memory limits, the multi-worker runtime are set up afterwards).
+    """
+    if "tensorflow" in sys.modules:
+        return sys.modules["tensorflow"]
+    verbose = flags.FLAGS.is_parsed() and flags.FLAGS.verbose
+    if verbose:
+        import tensorflow as tf
+        tf.config.list_physical_devices()
+        return tf
+    level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", _QUIET_LEVEL)
+    level = int(level) if level.isdigit() else 0
+    ours = os.environ.get(_OURS) == "1" or "TF_CPP_MIN_LOG_LEVEL" not in os.environ
+    with _stderr_filtered(lambda line: _shown(line, level, ours)):
+        import tensorflow as tf
+        tf.config.list_physical_devices()
+    return tf
+
+
+def _shown(line: str, level: int, ours: bool) -> bool:
+    """Whether a start-up stderr line should reach the user at TF_CPP_MIN_LOG_LEVEL=`level`.
+
+    TensorFlow prints its first lines before that level applies; here it does. At our own
+    default level, cuInit failing on a machine without an NVIDIA device is how TensorFlow
+    finds out there is no GPU, not an error (with a device, it stays: the driver is broken).
+    """
+    if line.strip() == _PRE_INIT_BANNER:
+        return level == 0
+    found = _CPP_LOG.match(line)
+    if not found:
+        return True
+    if _SEVERITY.index(found.group(1)) < level:
+        return False
+    return not (ours and "failed call to cuInit" in line and not _nvidia_device_present())
+
+
+def _nvidia_device_present() -> bool:
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/proc/driver/nvidia")
+
+
+@contextlib.contextmanager
+def _stderr_filtered(keep):
+    """Holds everything written to file descriptor 2 (C++ and Python alike) and, on exit,
+    writes back the lines `keep` accepts. Continuation lines go with the line they continue."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            shown = True
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                starts_record = bool(_CPP_LOG.match(line)) or line.strip() == _PRE_INIT_BANNER
+                if starts_record or not _continues(line):
+                    shown = keep(line)
+                if shown:
+                    sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+def _continues(line: str) -> bool:
+    """A line that continues the previous log record (TensorFlow wraps some messages)."""
+    return line.startswith(("To enable the following instructions", " ", "\t"))

@@ -39,3 +39,127 @@ def producer_name(tensor) -> str:
     private `_keras_history`.
     """
     return tensor._keras_history.operation.name
+
+
+# -- Keras optimizers ------------------------------------------------------------------------
+
+def optimizer_variable_index(optimizer, variable) -> int:
+    """The index of `variable` in the optimizer's per-variable slot lists (`momentums`, ...).
+
+    Keras' own `update_step`s look their slots up this way; there is no public accessor.
+    """
+    return optimizer._get_variable_index(variable)
+
+
+class NamedGradientAllReduce:
+    """Optimizer mixin (before the Keras optimizer in the bases): the replicas' gradient
+    all-reduce runs inside `tf.name_scope(ALL_REDUCE_SCOPE)`, so profiles can find it.
+
+    Keras' TensorFlow optimizer sums the replicas' gradients in the private hook
+    `_all_reduce_sum_gradients` (data parallelism); overriding it is the only way to name it.
+    """
+
+    ALL_REDUCE_SCOPE = "allreduce/gradients"
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        import tensorflow as tf
+        with tf.name_scope(self.ALL_REDUCE_SCOPE):
+            return super()._all_reduce_sum_gradients(grads_and_vars)
+
+
+# -- tf.distribute ---------------------------------------------------------------------------
+
+MIRRORED_KEY_STRIDE = 100_000
+
+
+def new_mirrored_collective_keys() -> None:
+    """Gives the next MirroredStrategy in this process collective keys of its own.
+
+    Every MirroredStrategy numbers its collective groups from the class attribute
+    `_collective_key_base`, so a second strategy over another device set in the same process
+    (benchmarks, tests) reuses group key 1 for a group of another size and fails: "Device ...
+    is joining a group with size4, but that group has size 2 (group_key=1)". TensorFlow's own
+    tests shift this base the same way.
+    """
+    import tensorflow as tf
+    tf.distribute.MirroredStrategy._collective_key_base += MIRRORED_KEY_STRIDE
+
+
+def multi_worker_mirrored_strategy(cluster_resolver, communication_options, num_cpu_devices: int):
+    """`tf.distribute.MultiWorkerMirroredStrategy` with `num_cpu_devices` logical CPUs per worker
+    (0: the stock strategy's devices, i.e. every GPU).
+
+    The stock strategy takes every GPU of a worker but only ONE device of a worker without
+    GPUs (`CollectiveAllReduceExtended`'s local-device hook returns ("CPU", 1)); which devices
+    a worker contributes is not configurable through any public argument.
+    """
+    import tensorflow as tf
+    from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+
+    class LogicalCpuExtended(cars.CollectiveAllReduceExtended):
+        """The stock implementation, with N logical CPU devices per worker instead of one."""
+
+        def _initialize_local_devices(self, cluster_resolver, worker_device):
+            if not num_cpu_devices:
+                return super()._initialize_local_devices(cluster_resolver, worker_device)
+            return tuple(f"{worker_device}/device:CPU:{i}" for i in range(num_cpu_devices)), "CPU"
+
+    class LogicalCpuMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+        def __init__(self):
+            # What MultiWorkerMirroredStrategy.__init__ does, with our extended class (it only
+            # adds usage gauges besides).
+            tf.distribute.Strategy.__init__(self, LogicalCpuExtended(
+                self, cluster_resolver=cluster_resolver, communication_options=communication_options))
+
+    return LogicalCpuMultiWorkerMirroredStrategy()
+
+
+def configure_coordination_service(job: str, num_tasks: int, heartbeat_timeout_s: int,
+                                   register_timeout_s: int, shutdown_timeout_s: int) -> None:
+    """Starts TensorFlow's coordination service for `num_tasks` tasks of `job`, task 0 leading.
+
+    The public `tf.distribute` strategies start it only with TensorFlow's default timeouts
+    (and DTensor's `initialize_accelerator_system` likewise); the heartbeat timeout, which
+    decides how soon a dead peer becomes an error on the survivors, is set only through the
+    eager context.
+    """
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.eager import context
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=f"/job:{job}/replica:0/task:0",
+        heartbeat_timeout_in_ms=heartbeat_timeout_s * 1000,
+        cluster_register_timeout_in_ms=register_timeout_s * 1000,
+        shutdown_barrier_timeout_in_ms=shutdown_timeout_s * 1000,
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=job, num_tasks=num_tasks)])
+
+
+def gpu_memory_limits() -> list[int]:
+    """The memory, in bytes, TensorFlow may allocate on each local GPU (empty without GPUs).
+
+    `tf.config.experimental.get_memory_info` reports use, not capacity; only the private
+    `device_lib` lists each device's limit. Listing initialises the devices.
+    """
+    from tensorflow.python.client import device_lib
+    return [d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU"]
+
+
+# -- the profiler ----------------------------------------------------------------------------
+
+def profiler_step(step_num: int):
+    """A `tf.profiler.experimental.Trace` that marks training step `step_num` in a trace.
+
+    The profiler (and TensorBoard's profile plugin) treats an event as a step only with the
+    undocumented `_r=1` argument, as Keras' own TensorBoard callback passes it.
+    """
+    import tensorflow as tf
+    return tf.profiler.experimental.Trace("train", step_num=step_num, _r=1)
+
+
+def xplane_pb2():
+    """The profiler's XSpace protobuf module, which reads the `*.xplane.pb` traces it writes.
+
+    TensorFlow ships it only under `tensorflow.tsl`, outside its public API.
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2 as module
+    return module

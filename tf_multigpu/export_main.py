@@ -9,14 +9,11 @@ only, and importing the training flags would put them all in --help.
 """
 
 import json
-import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up chatter off the console
+from absl import flags
 
-from absl import flags, logging  # noqa: E402
-
-from tf_multigpu import cli  # noqa: E402
-from tf_multigpu.errors import UsageError  # noqa: E402
+from tf_multigpu import cli
+from tf_multigpu.errors import UsageError
 
 PROG = "tf-multigpu-export"
 
@@ -35,9 +32,9 @@ def main(argv):
         _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
     if not FLAGS.run_dir:
         _fail("--run_dir is required: give the --run_dir of a training run")
-    logging.set_verbosity(logging.WARNING)
     try:
-        from tf_multigpu.export import export_from_checkpoint   # imports TensorFlow
+        cli.start_tensorflow()
+        from tf_multigpu.export import export_from_checkpoint  # imports TensorFlow
         result = export_from_checkpoint(FLAGS.run_dir, FLAGS.checkpoint, FLAGS.export_dir, FLAGS.evaluate)
     except UsageError as e:
         _fail(str(e))

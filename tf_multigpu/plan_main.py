@@ -11,20 +11,15 @@ meaning as tf-multigpu-train's.
 import json
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up chatter off the console
-
-from absl import flags, logging
+from absl import flags
 
 from tf_multigpu import cli
+from tf_multigpu.config.workload_flags import check_workload_flags, define_workload_flags
 from tf_multigpu.errors import UsageError
 
 PROG = "tf-multigpu-plan"
 
-flags.DEFINE_string("model", "small_convnet", "alexnet, small_convnet, or package.module:function.")
-flags.DEFINE_string("dataset", "digits", "digits, synthetic or tfds:NAME: gives the input shape and classes.")
-flags.DEFINE_string("data_dir", None, "TFDS data directory for --dataset=tfds:NAME.")
-flags.DEFINE_integer("image_size", 0, "Resize images to SIZE x SIZE (0: the data set's own size; synthetic: 224).")
-flags.DEFINE_integer("batch_size", 64, "GLOBAL batch size, split over the replicas.")
+_WORKLOAD = define_workload_flags()   # the data set gives the input shape and classes
 flags.DEFINE_string("profile", "measure", "A shipped device profile (titan_pcie3, k20_pcie3, v100_nvlink, "
                     "a100_pcie4, h100_nvlink, h200_nvlink), a path to a profile .json, or 'measure' to "
                     "benchmark the devices of this machine for a few seconds.")
@@ -33,14 +28,12 @@ flags.DEFINE_integer("cpu_devices", 0, "With --profile=measure: measure N logica
 flags.DEFINE_float("grad_overlap", 0.0, "Fraction of the gradient all-reduce assumed hidden behind compute.")
 flags.DEFINE_string("out_dir", None, "Also write plan.md and plan.json here.")
 FLAGS = flags.FLAGS
-_OWN_FLAGS = ("model", "dataset", "data_dir", "image_size", "batch_size", "profile", "num_devices",
-              "cpu_devices", "grad_overlap", "out_dir")
+_OWN_FLAGS = _WORKLOAD + ("profile", "num_devices", "cpu_devices", "grad_overlap", "out_dir")
 
 
 def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
-    logging.set_verbosity(logging.WARNING)
     try:
         table = _plan()
     except UsageError as e:
@@ -61,12 +54,12 @@ def main(argv):
 
 def _plan():
     """The ranked table for the flags (UsageError on bad input)."""
-    if FLAGS.batch_size < 1:
-        raise UsageError(f"--batch_size={FLAGS.batch_size} must be >= 1")
+    check_workload_flags()
     if FLAGS.num_devices < 0 or FLAGS.cpu_devices < 0:
         raise UsageError("--num_devices and --cpu_devices must be >= 0")
     if not 0 <= FLAGS.grad_overlap <= 1:
         raise UsageError(f"--grad_overlap={FLAGS.grad_overlap} must be in [0, 1]")
+    cli.start_tensorflow()
     from tf_multigpu import planner
     profile = None
     if FLAGS.profile != "measure":

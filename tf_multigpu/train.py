@@ -1,33 +1,32 @@
 """tf-multigpu-train: the command-line entry point (also `python -m tf_multigpu.train`).
 
 Intentionally short: parse flags, build one validated config, find the cluster (if any),
-configure the devices or start the multi-worker runtime (before TensorFlow initialises), and
-call the training loop. Bad input prints one line and exits 2; a SIGTERM stops after a
-checkpoint with status 143; a lost worker is one line and status 1.
+start TensorFlow quietly (`cli.start_tensorflow`), configure the devices or start the
+multi-worker runtime (before TensorFlow initialises), and call the training loop. Bad input
+prints one line and exits 2; a SIGTERM stops after a checkpoint with status 143; a lost worker
+is one line and status 1.
 """
 
 import json
-import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TF's C++ start-up chatter off the console
+from absl import flags
 
-from absl import flags, logging
-
-from tf_multigpu.config import flags as run_flags
 from tf_multigpu import cli
+from tf_multigpu.cli import DOES_NOT_FIT
+from tf_multigpu.config import flags as run_flags
+from tf_multigpu.config.workload_flags import WORKLOAD_FLAGS
 from tf_multigpu.errors import DoesNotFit, UsageError
 
-DOES_NOT_FIT = 3   # out of device memory: a batch-size search reads this
 PEER_LOST = 1
 
 
 def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
-    logging.set_verbosity(logging.WARNING)   # TF's own INFO lines would bury the progress bar
     cluster = None
     try:
         cfg = run_flags.config_from_flags()
+        cli.start_tensorflow()   # quietly, before anything below imports it
         from tf_multigpu.parallel import cluster as clusters
         cluster = clusters.resolve_cluster(cfg.worker_hosts, cfg.task_index)
         if cluster and cfg.strategy == "single":
@@ -84,7 +83,8 @@ def _fail(message: str, status: int = cli.USAGE_ERROR):
 
 def run():
     """Console-script entry point (the flags are defined in config/flags.py)."""
-    cli.run(main, "tf-multigpu-train", [flag.name for flag in flags.FLAGS.get_flags_for_module(run_flags)])
+    cli.run(main, "tf-multigpu-train",
+            [flag.name for flag in flags.FLAGS.get_flags_for_module(run_flags)] + list(WORKLOAD_FLAGS))
 
 
 if __name__ == "__main__":

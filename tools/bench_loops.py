@@ -1,7 +1,7 @@
 """Loop overhead benchmark: our training loop against what a user would otherwise write.
 
-    python tools/bench_loops.py                       # small_convnet on digits, batch 256
-    python tools/bench_loops.py --model=alexnet --dataset=synthetic --image_size=64 --batch_size=64
+    python -m tools.bench_loops                       # small_convnet on digits, batch 256
+    python -m tools.bench_loops --model=alexnet --dataset=synthetic --image_size=64 --batch_size=64
 
 In ONE process with 4 logical CPU devices, on identical work (same model, seed, global batch,
 input pipeline), it times:
@@ -14,21 +14,19 @@ our ratio to the baseline (> 1: we are faster). The first `--warmup` steps (trac
 timed. Logical CPUs share the same cores: this measures overhead, not multi-device speedup.
 """
 
-import os
 import statistics
 import sys
 import tempfile
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags, logging
 
-from absl import app, flags, logging  # noqa: E402
+from tf_multigpu import cli
+from tf_multigpu.config.workload_flags import check_workload_flags, define_workload_flags
+from tf_multigpu.errors import UsageError
 
-flags.DEFINE_string("model", "small_convnet", "Model name.")
-flags.DEFINE_string("dataset", "digits", "Data set name.")
-flags.DEFINE_integer("image_size", 0, "Image size (synthetic / TFDS).")
-flags.DEFINE_integer("batch_size", 256, "Global batch.")
+PROG = "bench_loops"
+_WORKLOAD = define_workload_flags(("model", "dataset", "image_size", "batch_size"), batch_size=256)
 flags.DEFINE_integer("warmup", 10, "Untimed steps (tracing, warm-up); a multiple of log_every.")
 flags.DEFINE_integer("steps", 60, "Timed steps per measurement.")
 flags.DEFINE_integer("repeats", 3, "Alternating repetitions of each pair.")
@@ -36,8 +34,18 @@ FLAGS = flags.FLAGS
 LOG_EVERY = 10
 
 
-def main(_):
-    logging.set_verbosity(logging.ERROR)
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(PROG, f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+    try:
+        check_workload_flags()
+        for name in ("warmup", "steps", "repeats"):
+            if FLAGS[name].value < 1:
+                raise UsageError(f"--{name}={FLAGS[name].value} must be >= 1")
+    except UsageError as e:
+        cli.fail(PROG, str(e))
+    logging.set_verbosity(logging.ERROR)   # the timed loops' progress lines would bury the table
+    cli.start_tensorflow()
     from tf_multigpu.parallel import configure_devices
     devices = configure_devices(cpu_devices=4)
     import keras
@@ -89,8 +97,8 @@ def main(_):
             return FLAGS.steps * batch / (time.perf_counter() - t0)
 
     def keras_fit(n):
-        from tf_multigpu.parallel.tf_distribute import _new_collective_key_range
-        _new_collective_key_range()
+        from tf_multigpu.compat import new_mirrored_collective_keys
+        new_mirrored_collective_keys()
         strategy = tf.distribute.MirroredStrategy(devices[:n])
         keras.utils.set_random_seed(0)
         with strategy.scope():
@@ -129,5 +137,10 @@ def main(_):
         print(f"| {name} | {ours_rate:.0f} | {base_name} | {base_rate:.0f} | {ours_rate / base_rate:.2f} |")
 
 
+def run():
+    """Entry point: `python -m tools.bench_loops`."""
+    cli.run(main, PROG, _WORKLOAD)   # the tool's own flags are listed by --help already
+
+
 if __name__ == "__main__":
-    app.run(main)
+    run()

@@ -118,7 +118,8 @@ def main(_):
         variants = {"stock": (step_fn(build(stock, shape)), tf.constant(x)),
                     "split/1": (step_fn(build(split, shape)), tf.constant(x))}
         for mesh_name, mesh in meshes.items():
-            variants[f"split/{mesh_name}"] = (step_fn(build(split, shape, mesh)), put(mesh, x, ["batch", U, U, "model"]))
+            variants[f"split/{mesh_name}"] = (step_fn(build(split, shape, mesh)),
+                                              put(mesh, x, ["batch", U, U, "model"]))
         times = {k: [] for k in variants}
         for fn, arg in variants.values():
             sync(fn(arg))   # trace and warm up

@@ -1,9 +1,9 @@
 """Benchmark sweep: strategy x devices x global batch x model, with peers, tables and plots.
 
-    python tools/benchmark.py --smoke --out_dir=runs/bench_smoke          # CI-sized, < 1 min
-    python tools/benchmark.py --paper --cpu_devices=4 --out_dir=runs/paper  # the paper's 5 configs
-    python tools/benchmark.py --paper --image_size=112 --cpu_devices=4 --out_dir=runs/paper112
-    python tools/benchmark.py --models=small_convnet --image_size=64 --devices=1,2,4 \
+    python -m tools.benchmark --smoke --out_dir=runs/bench_smoke          # CI-sized, < 1 min
+    python -m tools.benchmark --paper --cpu_devices=4 --out_dir=runs/paper  # the paper's 5 configs
+    python -m tools.benchmark --paper --image_size=112 --cpu_devices=4 --out_dir=runs/paper112
+    python -m tools.benchmark --models=small_convnet --image_size=64 --devices=1,2,4 \
         --batch_sizes=64,128,256 --strategies=single,data --out_dir=runs/peers
 
 Every configuration runs in a fresh process (tools/bench/worker.py) on synthetic data (or
@@ -20,15 +20,14 @@ show overhead and memory per device, not multi-device speedup.
 import datetime
 import os
 import platform
-import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
-from absl import app, flags  # noqa: E402
+from tf_multigpu import cli
+from tf_multigpu.config.workload_flags import check_workload_flags, define_workload_flags
+from tf_multigpu.errors import UsageError
 
-from tf_multigpu import cli  # noqa: E402
-from tf_multigpu.errors import UsageError  # noqa: E402
+PROG = "benchmark"
 
 flags.DEFINE_string("out_dir", None, "Directory for results.csv/json/md, the PNG plots and worker logs (required).")
 flags.DEFINE_boolean("paper", False, "The paper's five configurations (1; 2 data; 2 model; 4 data; 4 hybrid "
@@ -39,8 +38,7 @@ flags.DEFINE_list("strategies", ["single", "data", "model", "hybrid"], "Strategi
 flags.DEFINE_list("devices", ["1", "2", "4"], "Device counts to sweep.")
 flags.DEFINE_list("batch_sizes", ["64", "128", "256", "512"], "GLOBAL batch sizes to sweep.")
 flags.DEFINE_list("models", ["alexnet", "small_convnet"], "Models to sweep (registry names).")
-flags.DEFINE_string("dataset", "synthetic", "synthetic (random ImageNet-shaped images), digits, or tfds:NAME.")
-flags.DEFINE_integer("image_size", 0, "Resize images to SIZE x SIZE (0: the data set's own; synthetic: 224).")
+_WORKLOAD = define_workload_flags(("dataset", "image_size"), dataset="synthetic")   # models, batches: lists below
 flags.DEFINE_integer("warmup_steps", 3, "Untimed steps before timing (tracing, allocation).")
 flags.DEFINE_integer("timed_steps", 10, "Steps timed one by one; the median and p10/p90 are reported.")
 flags.DEFINE_integer("repeats", 1, "Run the whole sweep this many times, round after round, pooling each "
@@ -83,8 +81,8 @@ def settings_from_flags() -> dict:
         if given:
             raise UsageError(f"--{mode} sets its own configurations: drop {', '.join(given)} "
                              f"(or drop --{mode} to sweep a grid)")
-    for name, low in (("warmup_steps", 0), ("timed_steps", 1), ("cpu_devices", 0), ("threads", 0), ("image_size", 0),
-                      ("timeout_s", 1)):
+    check_workload_flags()
+    for name, low in (("warmup_steps", 0), ("timed_steps", 1), ("cpu_devices", 0), ("threads", 0), ("timeout_s", 1)):
         if FLAGS[name].value < low:
             raise UsageError(f"--{name}={FLAGS[name].value} must be >= {low}")
     s = {
@@ -92,7 +90,8 @@ def settings_from_flags() -> dict:
         "strategies": FLAGS.strategies, "devices": _ints("devices"), "batch_sizes": _ints("batch_sizes"),
         "models": FLAGS.models, "dataset": FLAGS.dataset, "image_size": FLAGS.image_size,
         "warmup_steps": FLAGS.warmup_steps, "timed_steps": FLAGS.timed_steps, "cpu_devices": FLAGS.cpu_devices,
-        "repeats": FLAGS.repeats, "threads": FLAGS.threads or os.cpu_count(), "peers": FLAGS.peers, "timeout_s": FLAGS.timeout_s,
+        "repeats": FLAGS.repeats, "threads": FLAGS.threads or os.cpu_count(), "peers": FLAGS.peers,
+        "timeout_s": FLAGS.timeout_s,
         "out_dir": FLAGS.out_dir, "dtype": FLAGS.dtype, "xla": FLAGS.xla,
     }
     if FLAGS.paper:
@@ -117,8 +116,13 @@ def _ints(name):
 
 
 def _fail(message: str, status: int = cli.USAGE_ERROR):
-    cli.fail('benchmark', message, status)
+    cli.fail(PROG, message, status)
+
+
+def run():
+    """Entry point: `python -m tools.benchmark`."""
+    cli.run(main, PROG, _WORKLOAD)   # the tool's own flags are listed by --help already
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.flags_parser('benchmark'))
+    run()

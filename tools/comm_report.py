@@ -1,33 +1,40 @@
 """Rebuild and print the communication report of a profiled run.
 
-    python tools/comm_report.py RUN_DIR
+    python -m tools.comm_report --run_dir=RUN_DIR
 
 Reads RUN_DIR/tensorboard's newest profiler trace and the collectives saved at training time
 (RUN_DIR/comm_report.json), rewrites RUN_DIR/comm_report.{json,md} and prints the Markdown.
 The run must have been trained with --profile_steps=A,B.
 """
 
-import os
-import sys
+from absl import flags
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from tf_multigpu import cli
 
-USAGE_ERROR = 2
+PROG = "comm_report"
+
+flags.DEFINE_string("run_dir", None, "The --run_dir of a run trained with --profile_steps=A,B (required).")
+FLAGS = flags.FLAGS
 
 
-def main(argv) -> int:
-    if len(argv) != 2 or argv[1].startswith("-"):
-        print("usage: comm_report.py RUN_DIR  (a run trained with --profile_steps=A,B)", file=sys.stderr)
-        return USAGE_ERROR
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(PROG, f"unexpected arguments {argv[1:]}: give the run as --run_dir=RUN_DIR")
+    if not FLAGS.run_dir:
+        cli.fail(PROG, "--run_dir is required: give a run trained with --profile_steps=A,B")
+    cli.start_tensorflow()
     from tf_multigpu.profiling import report
     try:
-        result = report.rebuild(argv[1])
+        result = report.rebuild(FLAGS.run_dir)
     except FileNotFoundError as e:
-        print(f"comm_report.py: error: {e}", file=sys.stderr)
-        return USAGE_ERROR
+        cli.fail(PROG, str(e))
     print(report.to_markdown(result), end="")
-    return 0
+
+
+def run():
+    """Entry point: `python -m tools.comm_report`."""
+    cli.run(main, PROG)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    run()

@@ -1,7 +1,7 @@
 """Convergence comparison: test error against wall-clock time per configuration (Figure 1).
 
-    python tools/convergence.py --out_dir=runs/convergence                # digits, small_convnet
-    python tools/convergence.py --out_dir=runs/conv --configs=single:1,data:2 --steps=100
+    python -m tools.convergence --out_dir=runs/convergence                # digits, small_convnet
+    python -m tools.convergence --out_dir=runs/conv --configs=single:1,data:2 --steps=100
 
 Trains each configuration (default: the paper's five) in a fresh `tf-multigpu-train`
 process with the same data, model, global batch, seed and steps, evaluating every
@@ -10,24 +10,19 @@ process with the same data, model, global batch, seed and steps, evaluating ever
 shows overhead, not multi-device speedup; the error axis shows that every strategy learns alike.
 """
 
-import os
-import sys
+from absl import flags
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tf_multigpu import cli
+from tf_multigpu.config.workload_flags import check_workload_flags, define_workload_flags
+from tf_multigpu.errors import UsageError
 
-from absl import app, flags, logging  # noqa: E402
-
-from tf_multigpu import cli  # noqa: E402
-from tf_multigpu.errors import UsageError  # noqa: E402
+PROG = "convergence"
 
 flags.DEFINE_string("out_dir", None, "Directory for convergence.csv/.md/.png and the runs (required).")
 flags.DEFINE_string("configs", "single:1,data:2,model:2,data:4,hybrid:4",
                     "STRATEGY:DEVICES,... to compare (default: the paper's five configurations).")
-flags.DEFINE_string("dataset", "digits", "digits, synthetic, or tfds:NAME.")
-flags.DEFINE_string("model", "small_convnet", "Model (registry name or package.module:function).")
-flags.DEFINE_integer("image_size", 0, "Resize images to SIZE x SIZE (0: the data set's own size).")
-flags.DEFINE_integer("batch_size", 64, "GLOBAL batch size (divisible by every configuration's replicas).")
+# --batch_size must divide by every configuration's replicas.
+_WORKLOAD = define_workload_flags(("model", "dataset", "image_size", "batch_size"))
 flags.DEFINE_integer("steps", 300, "Training steps of every configuration.")
 flags.DEFINE_integer("eval_every", 20, "Evaluate on the test split every N steps (the curve's points).")
 flags.DEFINE_float("learning_rate", 0.05, "Peak SGD learning rate (cosine schedule, momentum 0.9).")
@@ -41,15 +36,16 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
-    logging.set_verbosity(logging.WARNING)   # TensorBoard's reader logs each file it opens
     try:
         if not FLAGS.out_dir:
             raise UsageError("--out_dir is required: give a directory for the curves and runs")
-        for name, low in (("batch_size", 1), ("steps", 1), ("eval_every", 1), ("cpu_devices", 0), ("timeout_s", 1)):
+        check_workload_flags()
+        for name, low in (("steps", 1), ("eval_every", 1), ("cpu_devices", 0), ("timeout_s", 1)):
             if FLAGS[name].value < low:
                 raise UsageError(f"--{name}={FLAGS[name].value} must be >= {low}")
         from tools.bench.convergence import parse_configs, run_convergence
         parse_configs(FLAGS.configs)   # bad --configs: one line before anything trains
+        cli.start_tensorflow()   # quietly, for the progress bar and the curve reader (runs train apart)
         paths = run_convergence({name: FLAGS[name].value for name in (
             "out_dir", "configs", "dataset", "model", "image_size", "batch_size", "steps", "eval_every",
             "learning_rate", "seed", "cpu_devices", "timeout_s")})
@@ -59,8 +55,13 @@ def main(argv):
 
 
 def _fail(message: str, status: int = cli.USAGE_ERROR):
-    cli.fail('convergence', message, status)
+    cli.fail(PROG, message, status)
+
+
+def run():
+    """Entry point: `python -m tools.convergence`."""
+    cli.run(main, PROG, _WORKLOAD)   # the tool's own flags are listed by --help already
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.flags_parser('convergence'))
+    run()

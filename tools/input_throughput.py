@@ -60,6 +60,7 @@ def write_jpegs(root, count, shape, classes=10):
 def step_images_per_sec(source, devices):
     """What the training step consumes, fed a constant on-device batch: input costs nothing."""
     import tensorflow as tf
+
     from tf_multigpu.config import Config
     from tf_multigpu.data.pipeline import train_dataset
     from tf_multigpu.parallel import make_parallelism
@@ -135,7 +136,8 @@ def main(argv):
     print("| source | input shape | augment | pipeline alone, images/s | step consumes, images/s | headroom |")
     print("| --- | --- | --- | ---: | ---: | ---: |")
     for label, shape, augment, pipeline, step in rows:
-        print(f"| {label} | {'x'.join(map(str, shape))} | {augment} | {pipeline:.0f} | {step:.0f} | {pipeline / step:.2f} |")
+        size = "x".join(map(str, shape))
+        print(f"| {label} | {size} | {augment} | {pipeline:.0f} | {step:.0f} | {pipeline / step:.2f} |")
 
 
 if __name__ == "__main__":

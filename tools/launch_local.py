@@ -1,7 +1,7 @@
 """Runs a multi-worker training job on this machine: N worker processes on localhost.
 
-    python tools/launch_local.py --workers=2 -- --run_dir=runs/mw --strategy=data --cpu_devices=2
-    python tools/launch_local.py --workers=2 --via=flags -- --run_dir=runs/hy --strategy=hybrid \\
+    python -m tools.launch_local --workers=2 -- --run_dir=runs/mw --strategy=data --cpu_devices=2
+    python -m tools.launch_local --workers=2 --via=flags -- --run_dir=runs/hy --strategy=hybrid \\
         --mesh=batch:2,model:2 --cpu_devices=2
 
 Everything after `--` is the tf-multigpu-train command line, the same for every worker. Free
@@ -16,7 +16,6 @@ For trying multi-worker training on one machine, not for speed: the workers shar
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -24,6 +23,18 @@ import socket
 import subprocess
 import sys
 import threading
+
+from absl import flags
+
+from tf_multigpu import cli
+
+PROG = "launch_local"
+
+flags.DEFINE_integer("workers", 2, "Number of worker processes.")
+flags.DEFINE_enum("via", "tf_config", ["tf_config", "flags"],
+                  "How each worker learns the cluster: TF_CONFIG or --worker_hosts/--task_index.")
+flags.DEFINE_float("timeout", None, "Kill every worker after this many seconds (default: wait).")
+FLAGS = flags.FLAGS
 
 
 def free_ports(count: int) -> list[int]:
@@ -61,7 +72,7 @@ def _pump(prefix: str, stream, out):
         out.flush()
 
 
-def run(num_workers: int, train_args: list[str], via: str = "tf_config", timeout: float | None = None) -> int:
+def launch(num_workers: int, train_args: list[str], via: str = "tf_config", timeout: float | None = None) -> int:
     """Starts the workers, waits for all of them; returns 0 or the first failure's status."""
     commands = worker_commands(num_workers, train_args, via, free_ports(num_workers))
     procs, pumps = [], []
@@ -97,22 +108,19 @@ def run(num_workers: int, train_args: list[str], via: str = "tf_config", timeout
     return failed[0][1] if failed else 0
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     usage="launch_local.py [--workers=N] [--via=tf_config|flags] -- TRAIN_FLAGS")
-    parser.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
-    parser.add_argument("--via", choices=("tf_config", "flags"), default="tf_config",
-                        help="how each worker learns the cluster: TF_CONFIG or --worker_hosts/--task_index")
-    parser.add_argument("--timeout", type=float, default=None, help="kill every worker after this many seconds")
-    args = parser.parse_args(ours)
-    if args.workers < 1:
-        parser.error(f"--workers={args.workers} must be >= 1")
+def main(argv):
+    train_args = argv[1:]   # everything after `--`
+    if FLAGS.workers < 1:
+        cli.fail(PROG, f"--workers={FLAGS.workers} must be >= 1")
     if any(a.startswith(("--worker_hosts", "--task_index")) for a in train_args):
-        parser.error("the launcher sets --worker_hosts and --task_index itself: drop them")
-    return run(args.workers, train_args, args.via, args.timeout)
+        cli.fail(PROG, "the launcher sets --worker_hosts and --task_index itself: drop them")
+    sys.exit(launch(FLAGS.workers, train_args, FLAGS.via, FLAGS.timeout))
+
+
+def run():
+    """Entry point: `python -m tools.launch_local [--workers=N] [--via=...] -- TRAIN_FLAGS`."""
+    cli.run(main, PROG)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -1,6 +1,6 @@
 """The largest global batch that fits per strategy on the given devices (RQ5).
 
-    python tools/max_batch.py --model=alexnet --dataset=synthetic --device_memory_limit=8000 \
+    python -m tools.max_batch --model=alexnet --dataset=synthetic --device_memory_limit=8000 \
         --strategies=single,data,model,hybrid --num_devices=4 --out_dir=results/max_batch
 
 Each probe is a fresh `tf-multigpu-train --steps=1 --noexport` run with the given
@@ -16,13 +16,18 @@ import subprocess
 import sys
 import tempfile
 
-from absl import app, flags
+from absl import flags
 
+from tf_multigpu import cli
+from tf_multigpu.cli import DOES_NOT_FIT
 from tf_multigpu.config.config import replicas_for
+from tf_multigpu.config.workload_flags import check_workload_flags, define_workload_flags
+from tf_multigpu.errors import UsageError
 
-flags.DEFINE_string("model", "alexnet", "Model to probe.")
-flags.DEFINE_string("dataset", "synthetic", "Data set (synthetic: ImageNet-shaped, 4,096 training images).")
-flags.DEFINE_integer("image_size", 0, "Image size (0: the data set's).")
+PROG = "max_batch"
+PROBE_FAILED = 1
+# synthetic: ImageNet-shaped, 4,096 training images. --batch_size is what this tool searches for.
+_WORKLOAD = define_workload_flags(("model", "dataset", "image_size"), model="alexnet", dataset="synthetic")
 flags.DEFINE_list("strategies", ["single", "data", "model", "hybrid"], "Strategies to probe.")
 flags.DEFINE_integer("num_devices", 0, "Devices for data/model/hybrid (0: all).")
 flags.DEFINE_integer("cpu_devices", 0, "Logical CPU devices instead of GPUs (0: GPUs if any).")
@@ -33,7 +38,7 @@ flags.DEFINE_integer("resolution", 16, "Stop bisecting when the boundary is know
 flags.DEFINE_string("out_dir", "results/max_batch", "Where max_batch.json and max_batch.md go.")
 flags.DEFINE_integer("timeout", 900, "Seconds per probe.")
 FLAGS = flags.FLAGS
-FITS, DOES_NOT_FIT = 0, 3
+FITS = 0
 
 
 def probe(strategy: str, batch: int) -> bool:
@@ -47,8 +52,9 @@ def probe(strategy: str, batch: int) -> bool:
             command.append(f"--num_devices={FLAGS.num_devices}")
         done = subprocess.run(command, capture_output=True, text=True, timeout=FLAGS.timeout)
     if done.returncode not in (FITS, DOES_NOT_FIT):
-        raise SystemExit(f"max_batch.py: error: probe {strategy} batch {batch} failed: "
-                         f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+        cli.fail(PROG, f"probe {strategy} batch {batch} failed: "
+                       f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}",
+                 PROBE_FAILED)
     print(f"  {strategy:7s} batch {batch:6d}: {'fits' if done.returncode == FITS else 'does not fit'}", flush=True)
     return done.returncode == FITS
 
@@ -71,11 +77,13 @@ def largest_batch(strategy: str, replicas: int) -> int:
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    if not FLAGS.device_memory_limit or FLAGS.device_memory_limit < 1:
-        print("max_batch.py: error: --device_memory_limit=MiB is required, e.g. --device_memory_limit=8000",
-              file=sys.stderr)
-        sys.exit(2)
+        cli.fail(PROG, f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+    try:
+        check_workload_flags()
+        if not FLAGS.device_memory_limit or FLAGS.device_memory_limit < 1:
+            raise UsageError("--device_memory_limit=MiB is required, e.g. --device_memory_limit=8000")
+    except UsageError as e:
+        cli.fail(PROG, str(e))
     devices = FLAGS.num_devices or FLAGS.cpu_devices or 1
     rows = []
     for strategy in FLAGS.strategies:
@@ -94,5 +102,10 @@ def main(argv):
     print("\n".join(table))
 
 
+def run():
+    """Entry point: `python -m tools.max_batch`."""
+    cli.run(main, PROG, _WORKLOAD)   # the tool's own flags are listed by --help already
+
+
 if __name__ == "__main__":
-    app.run(main)
+    run()

@@ -1,7 +1,7 @@
 """Does the planner rank plans as they measure? Predicted against measured step times.
 
-    python tools/plan_vs_measured.py --model=small_convnet --dataset=digits --batch_size=256
-    python tools/plan_vs_measured.py --model=alexnet --dataset=synthetic --image_size=64 --batch_size=64
+    python -m tools.plan_vs_measured --model=small_convnet --dataset=digits --batch_size=256
+    python -m tools.plan_vs_measured --model=alexnet --dataset=synthetic --image_size=64 --batch_size=64
 
 On --cpu_devices logical CPU devices: measures a device profile and predicts every plan here,
 then trains each plan for --steps steps in a FRESH process (`python -m tf_multigpu.train`: a
@@ -18,16 +18,15 @@ import subprocess
 import sys
 import tempfile
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import flags, logging
+
+from tf_multigpu import cli
+from tf_multigpu.config import RunPaths
+from tf_multigpu.config.workload_flags import define_workload_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from absl import app, flags, logging
-
-flags.DEFINE_string("model", "small_convnet", "Model name.")
-flags.DEFINE_string("dataset", "digits", "Data set name.")
-flags.DEFINE_integer("image_size", 0, "Image size (synthetic / TFDS).")
-flags.DEFINE_integer("batch_size", 256, "Global batch.")
+PROG = "plan_vs_measured"
+_WORKLOAD = define_workload_flags(("model", "dataset", "image_size", "batch_size"), batch_size=256)
 flags.DEFINE_integer("cpu_devices", 4, "Logical CPU devices.")
 flags.DEFINE_integer("steps", 30, "Training steps per plan (the first --log_every are warm-up).")
 flags.DEFINE_integer("log_every", 5, "Logging window; the first window is not timed.")
@@ -61,12 +60,15 @@ def measure_plan(plan, workdir) -> float:
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{plan.label} failed: {done.stderr.strip().splitlines()[-1]}")
-    with open(os.path.join(run_dir, "summary.json")) as f:
+    with open(RunPaths(run_dir).summary) as f:
         return json.load(f)["step_time_s"]
 
 
-def main(_):
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(PROG, f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
     logging.set_verbosity(logging.ERROR)
+    cli.start_tensorflow()
     from tf_multigpu import planner
     from tf_multigpu.data import load_source
     from tf_multigpu.models import build_model
@@ -103,5 +105,10 @@ def main(_):
           f"{p.link_latency_s * 1e6:.0f} us per hop, split conv {p.split_conv_overhead:.2f}x tf.nn.conv2d.")
 
 
+def run():
+    """Entry point: `python -m tools.plan_vs_measured`."""
+    cli.run(main, PROG, _WORKLOAD)   # the tool's own flags are listed by --help already
+
+
 if __name__ == "__main__":
-    app.run(main)
+    run()

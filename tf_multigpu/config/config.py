@@ -71,7 +71,7 @@ class Config:
     logical_gpus: int = 1         # logical GPUs carved from each physical GPU
     export: bool = True           # write the SavedModel at the end
     profile_steps: str = ""       # "A,B": trace steps A..B (1-based) for TensorBoard and the comm report
-    worker_hosts: str = ""        # host:port of every worker, same list everywhere ("": TF_CONFIG, Slurm or one process)
+    worker_hosts: str = ""        # every worker's host:port, same list everywhere ("": TF_CONFIG, Slurm, one process)
     task_index: int | None = None   # this worker's position in worker_hosts (0 is the chief)
     peer_timeout: int = 60        # seconds without a heartbeat before a worker is declared lost
 
@@ -140,7 +140,8 @@ class Config:
             raise UsageError(f"--all_reduce applies to --strategy=data, not {self.strategy}: drop --all_reduce")
         _one_of("batchnorm", self.batchnorm, BATCHNORMS)
         if self.batchnorm != Config.batchnorm and self.strategy != "data":
-            raise UsageError(f"--batchnorm={self.batchnorm} applies to --strategy=data, not {self.strategy} (one device "
+            raise UsageError(f"--batchnorm={self.batchnorm} applies to --strategy=data, not {self.strategy} "
+                             "(one device "
                              "and a DTensor mesh use the global batch's statistics): drop --batchnorm")
         if self.profile_steps:
             parse_profile_steps(self.profile_steps)

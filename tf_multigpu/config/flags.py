@@ -16,6 +16,7 @@ from tf_multigpu.config.config import (
     STRATEGIES,
     Config,
 )
+from tf_multigpu.config.workload_flags import define_workload_flags
 
 _D = Config  # defaults live on the dataclass; flags only restate them
 
@@ -44,11 +45,9 @@ flags.DEFINE_integer("cpu_devices", _D.cpu_devices,
                      "every strategy on any machine, not for speed. 0: GPUs if any, else 2 logical CPUs.")
 flags.DEFINE_string("all_reduce", _D.all_reduce, f"Cross-device gradient reduction for --strategy=data: "
                     f"one of {', '.join(ALL_REDUCE)} (auto: TensorFlow's choice; nccl needs GPUs).")
-flags.DEFINE_string("dataset", _D.dataset, "digits (scikit-learn's 1,797 handwritten digits, no "
-                    "download), synthetic (random ImageNet-shaped images, for benchmarks), "
-                    "tfds:NAME (a TFDS image classification set prepared under --data_dir), or "
-                    "folder:PATH (your images: PATH/CLASS/*.jpg, or PATH/train/CLASS/ and PATH/val/CLASS/; "
-                    "JPEG, PNG, BMP, GIF).")
+# --model, --dataset, --data_dir, --image_size, --batch_size: shared with tf-multigpu-plan and the tools.
+define_workload_flags(model=_D.model, dataset=_D.dataset, data_dir=_D.data_dir, image_size=_D.image_size,
+                      batch_size=_D.batch_size)
 flags.DEFINE_string("augment", _D.augment, "Training-image augmentation: none (images resized to "
                     "--image_size), paper (Krizhevsky 2012: shorter side to 256, random 224 crop and "
                     "mirror; centre crop for testing), or auto (paper for tfds:imagenet2012 and folders "
@@ -60,12 +59,6 @@ flags.DEFINE_integer("input_threads", _D.input_threads, "Threads of the input pi
                      "network storage; see README, 'Input throughput'.")
 flags.DEFINE_boolean("skip_bad_images", _D.skip_bad_images, "--dataset=folder:PATH: leave unreadable "
                      "images out (counted in summary.json) instead of stopping with the file's name.")
-flags.DEFINE_string("data_dir", _D.data_dir, "TFDS data directory for --dataset=tfds:NAME.")
-flags.DEFINE_integer("image_size", _D.image_size, "Resize images to SIZE x SIZE (0: the data set's own "
-                     "size; synthetic and folders: 224); with --augment=paper, the crop size.")
-flags.DEFINE_string("model", _D.model, "alexnet, small_convnet, or package.module:function returning a "
-                    "Keras model from (input_shape, num_classes).")
-flags.DEFINE_integer("batch_size", _D.batch_size, "GLOBAL batch size, split evenly over the replicas.")
 flags.DEFINE_integer("steps", _D.steps, "Training steps in all (overrides --epochs). 0: build, export "
                      "the initial model and exit.")
 flags.DEFINE_float("epochs", _D.epochs, "Training epochs, when --steps is not given.")

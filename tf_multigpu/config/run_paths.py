@@ -1,4 +1,5 @@
-"""Where a run's files live under --run_dir; shared by training and export.
+"""Where a run's files live under --run_dir: the one definition of the layout, shared by
+training, export and the tools (training/run_dir.py does the reading and writing).
 
 Layout: config.json, checkpoints/, tensorboard/, summary.json, export/, and with
 --profile_steps comm_report.json and comm_report.md.

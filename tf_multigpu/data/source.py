@@ -11,7 +11,7 @@ derived from (seed, the example's global position), so augmentation is seeded an
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import tensorflow as tf
 

@@ -7,7 +7,13 @@
 
 from tf_multigpu.export.from_checkpoint import export_from_checkpoint
 from tf_multigpu.export.saved_model import (
-    FLOAT_SIGNATURE, INPUT_NAME, KERAS_FILE, METADATA_FILE, SIGNATURE, export_saved_model)
+    FLOAT_SIGNATURE,
+    INPUT_NAME,
+    KERAS_FILE,
+    METADATA_FILE,
+    SIGNATURE,
+    export_saved_model,
+)
 
 __all__ = ["export_saved_model", "export_from_checkpoint", "SIGNATURE", "FLOAT_SIGNATURE",
            "INPUT_NAME", "METADATA_FILE", "KERAS_FILE"]

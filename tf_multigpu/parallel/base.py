@@ -8,7 +8,8 @@ on probing for attributes one of them happens to have.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import keras
 import numpy as np
@@ -47,3 +48,9 @@ class Parallelism(Protocol):
     def local_shape(self, variable) -> list: ...
 
     def any_worker(self, flag: bool) -> bool: ...
+
+
+def host_scalars(sums: dict) -> dict:
+    """A compiled step's dict of scalar tensors as Python floats: the copy to the host, and so
+    the point where the host waits for the step (under every parallelism alike)."""
+    return {k: float(v.numpy()) for k, v in sums.items()}

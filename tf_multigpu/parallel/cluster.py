@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-from typing import Optional
 
 from tf_multigpu.errors import UsageError
 
@@ -53,8 +52,8 @@ class Cluster:
         return {JOB: list(self.hosts)}
 
 
-def resolve_cluster(worker_hosts: str = "", task_index: Optional[int] = None,
-                    environ=os.environ) -> Optional[Cluster]:
+def resolve_cluster(worker_hosts: str = "", task_index: int | None = None,
+                    environ=os.environ) -> Cluster | None:
     """The cluster this process belongs to, or None for a single-process run."""
     if worker_hosts:
         return _from_flags(worker_hosts, task_index)
@@ -81,7 +80,7 @@ def parse_worker_hosts(text: str) -> tuple:
     return hosts
 
 
-def _from_flags(worker_hosts: str, task_index: Optional[int]) -> Cluster:
+def _from_flags(worker_hosts: str, task_index: int | None) -> Cluster:
     hosts = parse_worker_hosts(worker_hosts)
     if task_index is None:
         raise UsageError("--worker_hosts needs --task_index=I: this worker's position in the list (0 is the chief)")
@@ -140,8 +139,6 @@ class Runtime:
 
     cluster: Cluster
     local_devices: list          # this worker's devices, full names
-    devices_per_worker: int
-    peer_timeout: int
     strategy: object = None      # the MultiWorkerMirroredStrategy of --strategy=data
 
     @property
@@ -163,10 +160,10 @@ def start_runtime(cluster: Cluster, strategy: str, cpu_devices: int, num_devices
     """Starts TensorFlow's distributed runtime for this worker (first TensorFlow call)."""
     import tensorflow as tf
     device_type = _configure_local_devices(tf, cpu_devices, num_devices)
-    _configure_coordination(tf, cluster, peer_timeout)
+    _configure_coordination(cluster, peer_timeout)
     if strategy == "data":
         from tf_multigpu.parallel.multi_worker import make_multi_worker_strategy
-        mwms = make_multi_worker_strategy(cluster, device_type, cpu_devices or 0, peer_timeout)
+        mwms = make_multi_worker_strategy(cluster, device_type, cpu_devices or 0)
         local = list(mwms.extended.worker_devices)
     else:
         from tensorflow.experimental import dtensor
@@ -180,7 +177,7 @@ def start_runtime(cluster: Cluster, strategy: str, cpu_devices: int, num_devices
         mwms = None
     if num_devices:
         local = local[:num_devices]
-    return Runtime(cluster, local, len(local), peer_timeout, mwms)
+    return Runtime(cluster, local, mwms)
 
 
 def _configure_local_devices(tf, cpu_devices: int, num_devices: int) -> str:
@@ -214,21 +211,17 @@ def describe_peer_failure(error: Exception) -> str:
             "restart every worker with the same command to resume from the latest checkpoint")
 
 
-def _configure_coordination(tf, cluster: Cluster, peer_timeout: int) -> None:
+def _configure_coordination(cluster: Cluster, peer_timeout: int) -> None:
     """TensorFlow's coordination service, leader task 0, with our heartbeat timeout.
 
     A worker that stops heart-beating for `peer_timeout` seconds is declared dead and every
     other worker's pending and future operations fail; without the service (or with its
     default) a survivor can wait on a dead peer's collective much longer.
     """
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    from tensorflow.python.eager import context
-    context.context().configure_coordination_service(
-        service_type="standalone",
-        service_leader=f"/job:{JOB}/replica:0/task:0",
-        heartbeat_timeout_in_ms=peer_timeout * 1000,
+    from tf_multigpu.compat import configure_coordination_service
+    configure_coordination_service(
+        JOB, cluster.num_workers, heartbeat_timeout_s=peer_timeout,
         # Workers start at different times (imports, data loading): wait as long for them.
-        cluster_register_timeout_in_ms=max(peer_timeout, 60) * 1000,
+        register_timeout_s=max(peer_timeout, 60),
         # At exit the chief may still be exporting while the others wait for it.
-        shutdown_barrier_timeout_in_ms=max(peer_timeout, 600) * 1000,
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=JOB, num_tasks=cluster.num_workers)])
+        shutdown_timeout_s=max(peer_timeout, 600))

@@ -27,7 +27,7 @@ so each client reads only the rows of the batch groups its devices are in.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import keras
 import numpy as np

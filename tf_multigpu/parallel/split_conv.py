@@ -24,7 +24,8 @@ keeps the patch matrix small and lets the input gradient be an ordinary stride-1
 transposed conv instead of a per-stride-phase one.
 
 The same code runs on plain (non-DTensor) tensors, which is how its parity with
-`tf.nn.conv2d` is tested.  See REPORT.md for the measurements behind each choice.
+`tf.nn.conv2d` is tested. BUILD_NOTES.md ("Filter-split convolution against `tf.nn.conv2d`") has
+the measurements behind each choice.
 """
 from __future__ import annotations
 

@@ -11,12 +11,13 @@ devices: the same code, with each worker reading only its replicas' rows of ever
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import keras
 import tensorflow as tf
-from keras.src.models.functional import Functional   # keras.Model(inputs, outputs)'s class; no public name
+from keras.src.models.functional import Functional  # keras.Model(inputs, outputs)'s class; no public name
 
+from tf_multigpu.compat import new_mirrored_collective_keys
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.placement import make_plan
 from tf_multigpu.parallel.stateless_dropout import stateless_dropout
@@ -45,17 +46,6 @@ def _swapped(layer, batchnorm: str) -> bool:
         type(layer) is keras.layers.BatchNormalization and batchnorm == "sync" and not layer.synchronized)
 
 
-def _new_collective_key_range():
-    """Gives the next MirroredStrategy in this process collective keys of its own.
-
-    Every MirroredStrategy numbers its collective groups from 1, so a second strategy over
-    another device set in the same process (benchmarks, tests) reuses group key 1 for a group
-    of another size and fails: "Device ... is joining a group with size4, but that group has
-    size 2 (group_key=1)". TensorFlow's own tests shift this (private) base the same way.
-    """
-    tf.distribute.MirroredStrategy._collective_key_base += 100_000
-
-
 class DistributeParallelism:
     """Runs a single-replica step function on every replica of a tf.distribute strategy."""
 
@@ -78,7 +68,7 @@ class DistributeParallelism:
         if name == "single":
             return cls(tf.distribute.OneDeviceStrategy(devices[0]), devices[:1], global_batch, name,
                        batchnorm=batchnorm)
-        _new_collective_key_range()
+        new_mirrored_collective_keys()   # a second strategy in one process needs its own
         strategy = tf.distribute.MirroredStrategy(
             devices=list(devices), cross_device_ops=cross_device_ops(all_reduce, devices))
         return cls(strategy, devices, global_batch, name, batchnorm=batchnorm)

@@ -138,9 +138,9 @@ def _allreduce_rates(devices, mib: int) -> tuple[float, float]:
     """(bus bandwidth in bytes/s per device, latency per ring hop in s) of a ring all-reduce."""
     import tensorflow as tf
 
-    from tf_multigpu.parallel.tf_distribute import _new_collective_key_range
+    from tf_multigpu.compat import new_mirrored_collective_keys
 
-    _new_collective_key_range()   # keys of its own: the training strategy comes after
+    new_mirrored_collective_keys()   # keys of its own: the training strategy comes after
     strategy = tf.distribute.MirroredStrategy(devices=list(devices))
     n = len(devices)
 
@@ -192,8 +192,8 @@ def _split_conv_overhead(device: str) -> float:
 def _memory_per_device(devices) -> float:
     """GPU memory TensorFlow may use on the device; logical CPUs share the host's RAM."""
     if "GPU" in devices[0].upper():
-        from tensorflow.python.client import device_lib  # the only place TF reports it
-        limits = [d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU"]
+        from tf_multigpu.compat import gpu_memory_limits
+        limits = gpu_memory_limits()
         if limits:
             return float(min(limits))
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / len(devices)

@@ -228,7 +228,8 @@ def explain(table: PlanTable) -> str:
     def parts(p):
         return (f"{p.label}: {_ms(p.step_time_s)} ms = compute {_ms(p.compute_s)} + activation exchange "
                 f"{_ms(p.activation_comm_s)} ({_mib(p.activation_comm_bytes)} MiB per device) + gradient all-reduce "
-                f"{_ms((1 - table.assumptions.grad_overlap) * p.grad_comm_s)} ({_mib(p.grad_comm_bytes)} MiB per device)"
+                f"{_ms((1 - table.assumptions.grad_overlap) * p.grad_comm_s)} "
+                f"({_mib(p.grad_comm_bytes)} MiB per device)"
                 f"; {_mib(p.memory['total'])} MiB per device{'' if p.fits else ' (does not fit)'}")
 
     text = f"Recommended {best.label} ({best.flags()}), {best.binding}-bound. {parts(best)}."

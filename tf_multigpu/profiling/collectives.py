@@ -31,8 +31,12 @@ KINDS = ("gradients", "parameters", "activations", "scalars")
 
 
 @dataclasses.dataclass
-class Collective:
-    """One collective op of one step, seen from one device."""
+class CollectiveOp:
+    """One collective op found in a step's graph, seen from one device: what ran.
+
+    Not `parallel.placement.Collective`, which is what the placement plan says a layer must
+    communicate (per example, on a mesh axis) before anything runs.
+    """
     name: str
     op: str            # "all_reduce", "all_gather", "reduce_scatter", "all_to_all"
     kind: str          # one of KINDS
@@ -61,7 +65,7 @@ def _op_kind(op_type: str) -> str | None:
     return None
 
 
-def from_function_graph(graph, device: str) -> list[Collective]:
+def from_function_graph(graph, device: str) -> list[CollectiveOp]:
     """Collectives on `device` at the top level of a traced tf.distribute step function.
 
     Our `run` function traces the first step at the top level and the rest in a loop body,
@@ -76,7 +80,7 @@ def from_function_graph(graph, device: str) -> list[Collective]:
         payload = int(np.prod(tensor.shape.as_list())) * tensor.dtype.size
         group = _group_size(op)
         kind = "scalars" if tensor.shape.rank == 0 else "gradients"   # data parallelism reduces only gradients
-        found.append(Collective(op.name, kind_of_op, kind, payload, group, forward=False))
+        found.append(CollectiveOp(op.name, kind_of_op, kind, payload, group, forward=False))
     return found
 
 
@@ -107,7 +111,7 @@ def enable_graph_dumps() -> str:
     return directory
 
 
-def read_lowered_step(global_batch: int = 0, weight_shapes=frozenset()) -> list[Collective] | None:
+def read_lowered_step(global_batch: int = 0, weight_shapes=frozenset()) -> list[CollectiveOp] | None:
     """The collectives of the DTensor step's lowered graph (None if dumps were not enabled),
     then deletes the dumps. The arguments help tell activations from weights (see below)."""
     directory = os.environ.get(_DUMP_DIR_ENV)
@@ -125,7 +129,7 @@ def read_lowered_step(global_batch: int = 0, weight_shapes=frozenset()) -> list[
     return from_dtensor_graph_def(graph_def, global_batch, weight_shapes)
 
 
-def from_dtensor_graph_def(graph_def, global_batch: int = 0, weight_shapes=frozenset()) -> list[Collective]:
+def from_dtensor_graph_def(graph_def, global_batch: int = 0, weight_shapes=frozenset()) -> list[CollectiveOp]:
     """Collectives of DTensor's per-device program (the SPMD-expanded step).
 
     Kind, from the layout DTensor attaches to each op and the tensor's shape: a per-example
@@ -160,7 +164,7 @@ def from_dtensor_graph_def(graph_def, global_batch: int = 0, weight_shapes=froze
             flat = nodes.get(part.name.removesuffix("/PostCombinedReduceSlice") + "/CombinedReduceFlatten")
             shape = _shape(nodes.get(flat.input[0].split(":")[0])) if flat else _shape(part)
             part_op = "all_gather" if "AllGather" in name else "all_reduce"
-            found.append(Collective(name, part_op, _kind(shape, [], part_op, dtype, global_batch, weight_shapes),
+            found.append(CollectiveOp(name, part_op, _kind(shape, [], part_op, dtype, global_batch, weight_shapes),
                                     int(np.prod(_shape(part))) * dtype.size, group, forward=False))
         if node.name in parts:
             continue
@@ -173,7 +177,7 @@ def from_dtensor_graph_def(graph_def, global_batch: int = 0, weight_shapes=froze
         # dimensions than the buffer. Such a buffer is not one layer's forward output.
         packed = shape is not None and len(specs) != len(shape)
         name = node.name.removeprefix("tf.StatefulPartitionedCall/")
-        found.append(Collective(name, op, _kind(shape, specs, op, dtype, global_batch, weight_shapes), payload,
+        found.append(CollectiveOp(name, op, _kind(shape, specs, op, dtype, global_batch, weight_shapes), payload,
                                 group, forward="gradient_tape" not in name and not packed))
     return found
 
@@ -197,7 +201,7 @@ def _shape(node):
     return [d.size for d in shape.dim]
 
 
-def totals(collectives: list[Collective]) -> dict:
+def totals(collectives: list[CollectiveOp]) -> dict:
     """{kind: {"payload_bytes", "moved_bytes", "ops"}} per step per device."""
     out = {k: {"payload_bytes": 0, "moved_bytes": 0.0, "ops": 0} for k in KINDS}
     for c in collectives:

@@ -1,7 +1,7 @@
 """The communication report: per profiled step, compute and communication time (from the
 trace) and, per device, the bytes each kind of communication moved (from the lowered graph)
 next to the analytic minimum for the strategy. Written as JSON, Markdown and TensorBoard
-scalars; `tools/comm_report.py RUN_DIR` rebuilds it from a run directory.
+scalars; `python -m tools.comm_report --run_dir=RUN_DIR` rebuilds it from a run directory.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def rebuild(run_dir: str) -> dict:
         raise FileNotFoundError(f"{paths.comm_report}.json not found: train with --profile_steps=A,B first")
     with open(paths.comm_report + ".json") as f:
         saved = json.load(f)
-    found = [coll.Collective(**{k: v for k, v in c.items() if k != "moved_bytes"}) for c in saved["collectives"]]
+    found = [coll.CollectiveOp(**{k: v for k, v in c.items() if k != "moved_bytes"}) for c in saved["collectives"]]
     minimum = {k: t["minimum_bytes"] for k, t in saved["bytes_per_device"].items()}
     minimum["forward_activation_payload"] = saved["forward_activation_gathers"]["analytic_payload_bytes"]
     meta = {k: saved[k] for k in ("strategy", "devices", "mesh", "global_batch", "model")}

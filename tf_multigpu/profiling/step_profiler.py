@@ -9,8 +9,11 @@ The collectives of one step are read from TensorFlow's graphs at the first call.
 from __future__ import annotations
 
 import tensorflow as tf
+from absl import logging
 
+from tf_multigpu.compat import profiler_step
 from tf_multigpu.config.config import parse_profile_steps
+from tf_multigpu.parallel.base import host_scalars
 from tf_multigpu.profiling import analytic, report, xspace
 from tf_multigpu.profiling import collectives as coll
 
@@ -45,9 +48,9 @@ class StepProfiler:
             found = coll.read_lowered_step(self.meta["global_batch"],
                                            {tuple(w.shape) for w in self.model.weights})
             if found is None:
-                print("communication report: the DTensor step's graph was not dumped (graph dumps must be "
-                      "enabled before TensorFlow starts, as tf-multigpu-train does): bytes are not counted",
-                      flush=True)
+                logging.warning("communication report: the DTensor step's graph was not dumped (graph dumps "
+                                "must be enabled before TensorFlow starts, as tf-multigpu-train does): bytes "
+                                "are not counted")
                 found = []
         else:
             graph = train_fn.get_concrete_function(iterator, tf.constant(window)).graph
@@ -57,11 +60,11 @@ class StepProfiler:
 
     def _run(self, train_fn, iterator, step, window):
         if not self.profiles(step):
-            return _floats(train_fn(iterator, tf.constant(window)))
+            return host_scalars(train_fn(iterator, tf.constant(window)))
         if step + 1 == self.first:
             tf.profiler.experimental.start(self.logdir)
-        with tf.profiler.experimental.Trace("train", step_num=step + 1, _r=1):
-            sums = _floats(train_fn(iterator, tf.constant(1)))   # inside the marker: wait for the step
+        with profiler_step(step + 1):
+            sums = host_scalars(train_fn(iterator, tf.constant(1)))   # inside the marker: wait for the step
         if step + 1 == self.last:
             tf.profiler.experimental.stop()
         return sums
@@ -74,7 +77,3 @@ class StepProfiler:
         self.report = report.build(self.meta, self.collectives or [], minimum, xspace.latest_trace(self.logdir))
         report.write(self.report, self.report_prefix, writer, step)
         return self.report
-
-
-def _floats(sums: dict) -> dict:
-    return {k: float(v.numpy()) for k, v in sums.items()}

@@ -1,8 +1,8 @@
 """Step and communication times from a profiler trace (the XSpace protobuf TensorFlow writes).
 
-Read with the profiler's own protobuf (`tensorflow.tsl.profiler.protobuf.xplane_pb2`), not by
+Read with the profiler's own protobuf (`compat.xplane_pb2`), not by
 scraping text. A step is a `train` event carrying `step_num` (what
-`tf.profiler.experimental.Trace("train", step_num=..., _r=1)` records, and what TensorBoard's
+`compat.profiler_step` records, and what TensorBoard's
 profile plugin shows as steps). Communication is every collective op event (TensorFlow ops
 whose type starts with `Collective`, e.g. `CollectiveReduceV2` on CPU) and every NCCL kernel
 (on GPU planes); its time in a step is the union of their intervals inside the step, so
@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import os
 
-from tensorflow.tsl.profiler.protobuf import xplane_pb2
+from tf_multigpu.compat import xplane_pb2
 
 
 def latest_trace(logdir: str) -> str | None:
@@ -31,7 +31,7 @@ def _is_communication(name: str) -> bool:
 
 def step_times(path: str) -> list[dict]:
     """[{step, step_ms, communication_ms, compute_ms, collective_events}] per traced step."""
-    space = xplane_pb2.XSpace()
+    space = xplane_pb2().XSpace()
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
     steps, comms = {}, []

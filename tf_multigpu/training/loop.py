@@ -13,6 +13,7 @@ import time
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
@@ -22,6 +23,7 @@ from tf_multigpu.errors import DoesNotFit, UsageError
 from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model, get_factory
 from tf_multigpu.parallel import make_parallelism
+from tf_multigpu.parallel.base import host_scalars
 from tf_multigpu.parallel.memory import bytes_per_device
 from tf_multigpu.parallel.stateless_dropout import use_step
 from tf_multigpu.planner.auto import resolve_strategy, with_measurement
@@ -71,11 +73,12 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     _check_fits(cfg, memory, par)
     # Input is valid and any earlier state restored: from here on the run writes.
     role.write_config(cfg, paths)
-    print(f"{par.name} parallelism on {len(par.devices)} device(s): {', '.join(par.devices)}; "
-          f"{source.name} {source.image_shape}, {cfg.model} ({model.count_params():,} parameters), "
-          f"global batch {cfg.batch_size}, steps {start}..{total_steps}; per device: "
-          + (f"{memory['parameters'] / 2**20:.1f} MiB parameters, {memory['total'] / 2**20:.1f} MiB in all"
-             if memory else "no memory estimate (subclassed model)"), flush=True)
+    if role.is_chief:   # one banner per run, not one per worker
+        print(f"{par.name} parallelism on {len(par.devices)} device(s): {', '.join(par.devices)}; "
+              f"{source.name} {source.image_shape}, {cfg.model} ({model.count_params():,} parameters), "
+              f"global batch {cfg.batch_size}, steps {start}..{total_steps}; per device: "
+              + (f"{memory['parameters'] / 2**20:.1f} MiB parameters, {memory['total'] / 2**20:.1f} MiB in all"
+                 if memory else "no memory estimate (subclassed model)"), flush=True)
 
     train_iter = iter(par.distribute(lambda b: train_dataset(
         source, seed=cfg.seed, global_batch=cfg.batch_size, batch_size=b, start_step=start,
@@ -90,7 +93,7 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     eval_fn = par.compile(make_eval_step(model))
 
     def evaluate():
-        sums = _floats(eval_fn(iter(test_data), tf.constant(test_batches)))
+        sums = host_scalars(eval_fn(iter(test_data), tf.constant(test_batches)))
         return {"test_loss": sums["loss_sum"] / sums["count"], "test_accuracy": sums["correct"] / sums["count"]}
 
     writer = role.summary_writer(paths)
@@ -113,7 +116,7 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
                 window = profiler.window(step, window)
                 sums = profiler.run(train_fn, train_iter, step, window)
             else:
-                sums = _floats(train_fn(train_iter, tf.constant(window)))   # the sync point
+                sums = host_scalars(train_fn(train_iter, tf.constant(window)))   # the sync point
             seconds = time.perf_counter() - window_start
             if not traced:   # tracing slows steps down: keep them out of the throughput
                 steady.add(sums["count"], seconds, window, warmup=step == start)
@@ -193,7 +196,8 @@ def _check_fits(cfg, memory: dict, par) -> None:
     hint = (f"use --batch_size<={fits}" if fits >= par.num_replicas
             else "even one example per device does not fit")
     raise DoesNotFit(f"--strategy={par.name} --batch_size={cfg.batch_size} needs about "
-                     f"{memory['total'] / 2**20:.0f} MiB per device but --device_memory_limit={cfg.device_memory_limit}: "
+                     f"{memory['total'] / 2**20:.0f} MiB per device but "
+                     f"--device_memory_limit={cfg.device_memory_limit}: "
                      f"{hint}, or split the model (--strategy=model or hybrid)")
 
 
@@ -208,8 +212,8 @@ def _profiler(cfg, paths, par, model, start, total_steps):
         raise UsageError(f"--profile_steps={cfg.profile_steps} goes past the last step ({total_steps}): "
                          f"profile steps up to {total_steps}, or train longer")
     if profiler.first <= start:
-        print(f"--profile_steps={cfg.profile_steps}: the run resumes at step {start}, past step "
-              f"{profiler.first}; nothing is profiled", flush=True)
+        logging.warning("--profile_steps=%s: the run resumes at step %d, past step %d; nothing is profiled",
+                        cfg.profile_steps, start, profiler.first)
         return None
     return profiler
 
@@ -274,10 +278,6 @@ class Throughput:
 def _to_next(step: int, every: int) -> int:
     """Steps from `step` to the next multiple of `every`."""
     return every - step % every
-
-
-def _floats(sums: dict) -> dict:
-    return {k: float(v.numpy()) for k, v in sums.items()}
 
 
 def _write_scalars(writer, prefix, step, values):

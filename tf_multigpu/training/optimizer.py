@@ -10,13 +10,17 @@ variable: under DTensor, Keras' stock SGD re-read a stale slot and left the weig
 """
 
 import keras
-import tensorflow as tf
 from keras import ops
 from keras.optimizers import schedules
 
+from tf_multigpu.compat import NamedGradientAllReduce, optimizer_variable_index
 
-class MomentumSGD(keras.optimizers.SGD):
-    """SGD with momentum and L2 weight decay added to the gradient (coupled, as in the paper)."""
+
+class MomentumSGD(NamedGradientAllReduce, keras.optimizers.SGD):
+    """SGD with momentum and L2 weight decay added to the gradient (coupled, as in the paper).
+
+    The replicas' gradient all-reduce is named allreduce/gradients in profiles (the mixin).
+    """
 
     def __init__(self, learning_rate=0.01, momentum=0.9, l2=0.0, **kwargs):
         super().__init__(learning_rate=learning_rate, momentum=momentum, **kwargs)
@@ -30,16 +34,10 @@ class MomentumSGD(keras.optimizers.SGD):
         if not self.momentum:
             self.assign_sub(variable, lr * grad)
             return
-        velocity = self.momentums[self._get_variable_index(variable)]
+        velocity = self.momentums[optimizer_variable_index(self, variable)]
         new_velocity = ops.cast(self.momentum, variable.dtype) * velocity - lr * grad
         self.assign(velocity, new_velocity)
         self.assign_add(variable, new_velocity)
-
-    def _all_reduce_sum_gradients(self, grads_and_vars):
-        # Keras sums the replicas' gradients here (data parallelism); the name scope makes the
-        # all-reduce findable in profiles as allreduce/gradients.
-        with tf.name_scope("allreduce/gradients"):
-            return super()._all_reduce_sum_gradients(grads_and_vars)
 
     def get_config(self):
         return {**super().get_config(), "l2": self.l2}

@@ -8,8 +8,8 @@ all-reduce (max) on the same collective fabric as the gradients, so either all o
 stop request after step N or none does. They then save checkpoint N and exit with
 PREEMPTED_EXIT_CODE; rerunning the same command resumes from step N exactly.
 
-We do not use `tf.distribute.experimental.PreemptionCheckpointHandler` (see
-NOTES/BUILD_NOTES): it counts its own "run calls" in a variable it adds to our checkpoint,
+We do not use `tf.distribute.experimental.PreemptionCheckpointHandler` (BUILD_NOTES.md,
+"Several workers"): it counts its own "run calls" in a variable it adds to our checkpoint,
 writes through its own CheckpointManager unless given a save_fn, is a silent no-op on GCP CPU
 VMs ("PreemptionCheckpointHandler does not support usage with TPU or CPU device on GCP"),
 and probes the GCE metadata server at start. The all-reduce works the same for
@@ -41,7 +41,7 @@ class StopOnSigterm:
         self._previous = None
 
     @classmethod
-    def install(cls) -> "StopOnSigterm":
+    def install(cls) -> StopOnSigterm:
         stop = cls()
         try:
             stop._previous = signal.signal(signal.SIGTERM, stop._handle)

@@ -1,6 +1,7 @@
-"""The run directory: where a run's files live, and resuming from what an earlier run left.
+"""What a run does with its directory: refuse an unusable one, resume from what an earlier run
+left, write files atomically. Where each file lives is `config.RunPaths`'s alone (export
+reads the same layout without importing training).
 
-Layout under --run_dir: config.json, checkpoints/, tensorboard/, summary.json, export/.
 Nothing here deletes or overwrites an earlier run's results before the new run is known to
 be valid: a config that computes something else, or an unreadable checkpoint, is refused.
 """

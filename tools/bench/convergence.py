@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+from tf_multigpu.config import RunPaths
 from tf_multigpu.errors import UsageError
 from tools.bench.configs import STRATEGIES, config_label
 from tools.bench.runner import REPO
@@ -65,7 +66,7 @@ def run_convergence(s: dict) -> list[str]:
     curves = []
     for i, (strategy, n) in enumerate(configs):
         run_dir = os.path.join(s["out_dir"], "runs", f"{strategy}{n}")
-        if os.path.exists(os.path.join(run_dir, "config.json")):
+        if os.path.exists(RunPaths(run_dir).config):
             shutil.rmtree(run_dir)   # a leftover run of ours: training would resume it instead
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
         done = subprocess.run(train_command(strategy, n, run_dir, s), cwd=REPO, capture_output=True, text=True,
@@ -73,10 +74,11 @@ def run_convergence(s: dict) -> list[str]:
         if done.returncode:
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise UsageError(f"{strategy} on {n} device(s) failed (exit {done.returncode}): {tail}")
-        points = read_test_curve(os.path.join(run_dir, "tensorboard"))
-        with open(os.path.join(run_dir, "summary.json")) as f:
+        points = read_test_curve(RunPaths(run_dir).tensorboard)
+        with open(RunPaths(run_dir).summary) as f:
             device_word = "GPU" if "GPU" in json.load(f)["devices"][0].upper() else "CPU"
-        curves.append({"label": config_label(strategy, n, device_word), "strategy": strategy, "devices": n, "points": points})
+        curves.append({"label": config_label(strategy, n, device_word), "strategy": strategy, "devices": n,
+                       "points": points})
         bar.update(i + 1, [("test_accuracy", points[-1]["test_accuracy"] if points else 0.0)])
     paths = [os.path.join(s["out_dir"], name) for name in ("convergence.csv", "convergence.md", "convergence.png")]
     _write_csv(curves, paths[0])
@@ -121,7 +123,8 @@ def _markdown(curves, s):
     target = curves[0]["points"][-1]["test_error"] if curves and curves[0]["points"] else None
     lines = [f"## Test error against wall-clock time: {s['model']} on {s['dataset']}, global batch "
              f"{s['batch_size']}, {s['steps']} steps", "",
-             f"| configuration | final test error | training time (s) | time to {curves[0]['label']}'s final error (s) |",
+             "| configuration | final test error | training time (s) | "
+             f"time to {curves[0]['label']}'s final error (s) |",
              "| --- | ---: | ---: | ---: |"]
     for c in curves:
         if not c["points"]:

@@ -30,6 +30,7 @@ FLAGS = flags.FLAGS
 def _runner(strategy, devices, model, stock_dropout=False, batchnorm="sync"):
     """A function running `steps` training steps of one configuration (already compiled)."""
     import tensorflow as tf
+
     from tf_multigpu.config import Config
     from tf_multigpu.data import load_source
     from tf_multigpu.data.pipeline import train_dataset
@@ -101,6 +102,7 @@ def main(argv):
            _runner("single", devices[:1], "small_convnet"),
            _runner("single", devices[:1], "small_convnet", stock_dropout=True))
     import keras
+
     from tf_multigpu.parallel.stateless_dropout import StatelessDropout
     for shape in ([64, 256], [256, 9216]):   # small_convnet's drop1; AlexNet's drop6 at batch 256
         stateless = StatelessDropout(0.5, seed=1, name="drop")

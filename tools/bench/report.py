@@ -84,7 +84,8 @@ def markdown(rows, settings: dict) -> str:
              f"Settings: {json.dumps(settings, sort_keys=True)}", ""]
     ours = [r for r in rows if r["kind"] == "ours"]
     for (model, dataset, size, batch) in _groups(ours):
-        group = [r for r in ours if (r["model"], r["dataset"], r["image_size"], r["global_batch"]) == (model, dataset, size, batch)]
+        group = [r for r in ours
+                 if (r["model"], r["dataset"], r["image_size"], r["global_batch"]) == (model, dataset, size, batch)]
         if any((r["strategy"], r["devices"]) in PAPER_SPEEDUP for r in group if r["devices"] > 1):
             parts += _paper_table(group, model, dataset, size, batch)
     parts += _all_table(ours)
@@ -117,7 +118,8 @@ def _all_table(ours):
              "| efficiency | compute (ms) | communication (ms) | memory per device (MiB) |",
              "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in ours:
-        head = f"| {r['model']} | {r['dataset']} {_size(r['image_size'])} | {r['global_batch']} | {r['label']} | {r['mesh'] or '-'}"
+        head = (f"| {r['model']} | {r['dataset']} {_size(r['image_size'])} | {r['global_batch']} | {r['label']} "
+                f"| {r['mesh'] or '-'}")
         if r.get("error"):
             lines.append(f"{head} | failed: {r['error']} | | | | | | |")
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
+from tf_multigpu import cli
 from tf_multigpu.errors import UsageError
 from tools.bench import configs, plots, report, runner
 
@@ -27,7 +28,8 @@ def build_runs(s: dict) -> list:
     if s["cpu_devices"] and s["cpu_devices"] < most:
         raise UsageError(f"--cpu_devices={s['cpu_devices']} but the sweep uses up to {most} devices: "
                          f"use --cpu_devices={most} (or drop it)")
-    from tf_multigpu.models import get_factory  # imports TensorFlow: after the cheap checks
+    cli.start_tensorflow()   # quietly: TensorFlow loads here, after the cheap checks
+    from tf_multigpu.models import get_factory
     for model in s["models"]:
         get_factory(model)   # an unknown model is a usage error before anything runs
     return ours + configs.peer_runs(ours, s["peers"])

@@ -117,11 +117,12 @@ def _traced_split(step, steps: int = TRACED_STEPS) -> dict:
 
     import tensorflow as tf
 
+    from tf_multigpu.compat import profiler_step
     from tf_multigpu.profiling import xspace
     with tempfile.TemporaryDirectory() as logdir:
         tf.profiler.experimental.start(logdir)
         for n in range(steps):
-            with tf.profiler.experimental.Trace("train", step_num=n + 1, _r=1):
+            with profiler_step(n + 1):
                 step()
         tf.profiler.experimental.stop()
         per_step = xspace.step_times(xspace.latest_trace(logdir))
