@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
-from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
+from tf_multigpu import compat
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel import split_layers_modern as M
 from tf_multigpu.profiling import xspace
@@ -95,7 +95,7 @@ def _collectives(fn, *args):
     for _ in range(5):
         fn(*args)
     tf.profiler.experimental.stop()
-    space = xplane_pb2.XSpace()
+    space = compat.xplane_pb2().XSpace()
     with open(xspace.latest_trace(logdir), "rb") as f:
         space.ParseFromString(f.read())
     names = {plane.event_metadata[e.metadata_id].name for plane in space.planes for line in plane.lines

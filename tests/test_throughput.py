@@ -34,7 +34,7 @@ def test_a_worker_compares_its_own_share():
 
 @pytest.mark.slow
 def test_tool_prints_the_table():
-    done = subprocess.run([sys.executable, "tools/input_throughput.py", "--sources=digits,synthetic",
+    done = subprocess.run([sys.executable, "-m", "tools.input_throughput", "--sources=digits,synthetic",
                            "--image_size=8", "--batch_size=32", "--seconds=0.2"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

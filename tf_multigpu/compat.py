@@ -163,3 +163,24 @@ def xplane_pb2():
     """
     from tensorflow.tsl.profiler.protobuf import xplane_pb2 as module
     return module
+
+
+def all_layers(model) -> list:
+    """Every layer of a model, nested models' layers included (not the model itself).
+
+    Keras 3 has no public recursive accessor; `Layer._flatten_layers` is what Keras' own
+    summary and weight tracking use.
+    """
+    return list(model._flatten_layers(include_self=False))
+
+
+def has_graph(model) -> bool:
+    """Whether a model is Sequential or functional (a graph of layers keras.models.clone_model
+    and the placement plan can read), not a subclassed keras.Model.
+
+    The functional model's class has no public name (`keras.Model(inputs, outputs)` returns a
+    `keras.src.models.functional.Functional`).
+    """
+    import keras
+    from keras.src.models.functional import Functional
+    return isinstance(model, (keras.Sequential, Functional))

@@ -1,8 +1,8 @@
 """fwd+bwd time of the split-aware layers (parallel/split_layers_modern.py) against the stock
 Keras layer on one device, at MobileNetV2 / ResNet(-X) / Xception-like shapes.
 
-    python tools/bench_split_layers.py                 # batch 16, best of 7, interleaved
-    python tools/bench_split_layers.py --batch=32 --repeats=7 --cases=depthwise_3x3_s1
+    python -m tools.bench_split_layers                 # batch 16, best of 7, interleaved
+    python -m tools.bench_split_layers --batch=32 --repeats=7 --cases=depthwise_3x3_s1
 
 In ONE process with 4 logical CPU devices, for each case it times one tf.function computing
 the layer's output, a loss, and the gradients w.r.t. the input and the weights:
@@ -15,14 +15,13 @@ of --repeats, all variants interleaved (on a shared machine, load only adds time
 share 2 cores, so the meshes show overhead, not speedup.
 """
 
-import os
-import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
-from absl import app, flags
+from tf_multigpu import cli
+
+PROG = "bench_split_layers"
 
 flags.DEFINE_integer("batch", 16, "Batch size of every case.")
 flags.DEFINE_integer("repeats", 7, "Timed calls per variant (interleaved); the fastest is reported.")
@@ -55,7 +54,10 @@ def cases(keras, M):
     }
 
 
-def main(_):
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(PROG, f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+    cli.start_tensorflow()
     from tf_multigpu.parallel import configure_devices
     devices = configure_devices(cpu_devices=4)
     import keras
@@ -140,5 +142,10 @@ def main(_):
               + " | ".join(f"{med[k] / med['stock']:.2f}x" for k in keys[1:]) + " |")
 
 
+def run():
+    """Entry point: `python -m tools.bench_split_layers`."""
+    cli.run(main, PROG)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    run()

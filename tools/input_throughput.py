@@ -1,7 +1,7 @@
 """Input pipeline throughput per source, beside what the training step consumes (issue 15).
 
-    python tools/input_throughput.py --model=alexnet --image_size=224 --batch_size=64
-    python tools/input_throughput.py --model=small_convnet --image_size=32 --batch_size=256
+    python -m tools.input_throughput --model=alexnet --image_size=224 --batch_size=64
+    python -m tools.input_throughput --model=small_convnet --image_size=32 --batch_size=256
 
 For each source it times, in ONE process, the pipeline alone (decode, augment, batch,
 preprocess; no model) in images/s, and the training step alone (the same model, global batch,
@@ -19,14 +19,13 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags, logging
 
-from absl import app, flags, logging  # noqa: E402
+from tf_multigpu import cli
+from tf_multigpu.config.workload_flags import define_workload_flags
 
-flags.DEFINE_string("model", "small_convnet", "Model name.")
-flags.DEFINE_integer("image_size", 32, "Model input size (and the crop with --augment=paper).")
-flags.DEFINE_integer("batch_size", 64, "Global batch.")
+PROG = "input_throughput"
+_WORKLOAD = define_workload_flags(("model", "image_size", "batch_size", "data_dir"), image_size=32)
 flags.DEFINE_string("strategy", "data", "single or data (the step's devices).")
 flags.DEFINE_integer("cpu_devices", 2, "Logical CPU devices (0: GPUs).")
 flags.DEFINE_list("sources", ["digits", "synthetic", "folder", "tfds"], "Sources to time.")
@@ -35,7 +34,6 @@ flags.DEFINE_string("folder", "", "An image folder to time (default: JPEGs writt
 flags.DEFINE_integer("folder_images", 512, "JPEGs to write when --folder is not given.")
 flags.DEFINE_list("folder_shape", ["375", "500"], "Height,width of the written JPEGs.")
 flags.DEFINE_string("tfds", "", "A TFDS set prepared under --data_dir (default: mock imagenet2012).")
-flags.DEFINE_string("data_dir", None, "TFDS data directory.")
 flags.DEFINE_float("seconds", 5.0, "Seconds to time each pipeline and the step (after warm-up).")
 FLAGS = flags.FLAGS
 
@@ -84,8 +82,9 @@ def step_images_per_sec(source, devices):
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+        cli.fail(PROG, f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
     logging.set_verbosity(logging.ERROR)
+    cli.start_tensorflow()
     from tf_multigpu.parallel import configure_devices
     devices = configure_devices(1 if FLAGS.strategy == "single" else 0, FLAGS.cpu_devices)
     import contextlib
@@ -118,7 +117,7 @@ def main(argv):
                 source = load_source(f"tfds:{FLAGS.tfds or 'imagenet2012'}", FLAGS.data_dir, size,
                                      augment=FLAGS.augment)
             else:
-                raise app.UsageError(f"unknown source {name!r}: choose from digits, synthetic, folder, tfds")
+                cli.fail(PROG, f"unknown --sources entry {name!r}: choose from digits, synthetic, folder, tfds")
             pipeline = images_per_sec(train_dataset(source, seed=0, global_batch=batch, batch_size=batch),
                                       warmup=3, max_batches=10 ** 6, seconds=FLAGS.seconds)
             shape = tuple(source.image_shape)
@@ -140,5 +139,10 @@ def main(argv):
         print(f"| {label} | {size} | {augment} | {pipeline:.0f} | {step:.0f} | {pipeline / step:.2f} |")
 
 
+def run():
+    """Entry point: `python -m tools.input_throughput`."""
+    cli.run(main, PROG, _WORKLOAD)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    run()

@@ -73,9 +73,9 @@ class StatelessDropout(keras.layers.Dropout):
             raise ValueError(f"Invalid value received for argument `rate`: {rate} (a float in [0, 1])")
         self.rate = rate
         self.seed = int(seed)
-        self.noise_shape = self._validate_noise_shape(noise_shape)
+        self.noise_shape = None if noise_shape is None else tuple(noise_shape)
         self.supports_masking = True
-        self._build_at_init()
+        self.built = True   # no weights: nothing to build
 
     def use_step(self, step) -> None:
         """Binds the training-step counter (a variable); object.__setattr__ keeps Keras from

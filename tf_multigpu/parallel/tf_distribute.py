@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import keras
 import tensorflow as tf
-from keras.src.models.functional import Functional  # keras.Model(inputs, outputs)'s class; no public name
 
+from tf_multigpu import compat
 from tf_multigpu.compat import new_mirrored_collective_keys
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.placement import make_plan
@@ -107,14 +107,14 @@ class DistributeParallelism:
         with self.scope():
             model = self._swap_layers(build())
         # A subclassed model has no graph to read: it trains, without a memory estimate.
-        self.plan = make_plan(model, "", [], self.mesh_shape) if isinstance(model, (keras.Sequential, Functional)) \
+        self.plan = make_plan(model, "", [], self.mesh_shape) if compat.has_graph(model) \
             else None
         return model
 
     def _swap_layers(self, plain):
-        if not any(_swapped(layer, self.batchnorm) for layer in plain._flatten_layers(include_self=False)):
+        if not any(_swapped(layer, self.batchnorm) for layer in compat.all_layers(plain)):
             return plain
-        if not isinstance(plain, (keras.Sequential, Functional)):   # clone_model refuses those
+        if not compat.has_graph(plain):   # clone_model refuses those
             print(f"note: {plain.name} is a subclassed model, so its Dropout/BatchNormalization layers stay "
                   "per-replica (masks and statistics differ from one device's); a functional or Sequential "
                   "model gets replica-independent ones", flush=True)

@@ -1,6 +1,6 @@
 """What replica-independent Dropout and synchronised BatchNorm cost, as step-time ratios.
 
-    PYTHONPATH=. python -m tools.bench.replica_consistency [--devices=2] [--rounds=11] [--steps=20]
+    python -m tools.bench.replica_consistency [--devices=2] [--rounds=11] [--steps=20]
 
 In one process on logical CPUs, for each pair (A, B) it times compiled windows of `--steps`
 training steps of A and B alternately (so both see the same machine load) and prints the
@@ -12,14 +12,12 @@ Logical CPU devices share the cores, so the ratios say how much work is added, n
 would see.
 """
 
-import os
 import statistics
-import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import flags
 
-from absl import app, flags  # noqa: E402
+from tf_multigpu import cli
 
 flags.DEFINE_integer("devices", 2, "logical CPU devices (data-parallel replicas)")
 flags.DEFINE_integer("rounds", 11, "alternating timed windows per configuration")
@@ -90,8 +88,9 @@ def _ratio(name, a, b):
 
 
 def main(argv):
-    import tensorflow as tf
-    sys.path.insert(0, os.getcwd())   # tests.user_models
+    if len(argv) > 1:
+        cli.fail("replica_consistency", f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+    tf = cli.start_tensorflow()   # run from the repository (python -m): tests.user_models imports
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * FLAGS.devices)
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -115,4 +114,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "replica_consistency")
