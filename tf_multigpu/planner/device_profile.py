@@ -26,6 +26,7 @@ import os
 import time
 
 from tf_multigpu.errors import UsageError
+from tf_multigpu.planner import comm
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
@@ -43,6 +44,13 @@ class DeviceProfile:
     single_device_flops_per_s: float = 0.0   # one device alone (0: same as peak_flops_per_s)
     num_devices: int = 0                 # devices in the machine (0: unknown)
     split_conv_overhead: float = 0.0     # SplitConv2D / tf.nn.conv2d time (0: the planner's default)
+    native_split_conv: bool = False      # split convolutions run as native per-device convs (no im2col)
+    topology: str = "ring"               # how copies share links: planner/comm.py TOPOLOGIES
+    host_bandwidth_bytes_per_s: float = 0.0   # the root complex all host-crossing copies share (0: link's)
+    devices_per_switch: int = 0          # topology pcie_switch: devices behind each PCIe switch
+    all_reduce: str = "ring"             # the gradient reduction the machine's software runs (comm.ALGORITHMS)
+    activation_gather: str = "ring"      # how an all-gather of activations runs (padded_all_reduce: DTensor on CPU)
+    per_op_overhead_s: float = 0.0       # fixed cost of launching one operation (measured profiles)
     description: str = ""
     source: dict = dataclasses.field(default_factory=dict)
 
@@ -75,10 +83,16 @@ def load(name_or_path: str) -> DeviceProfile:
         with open(path) as f:
             values = json.load(f)
         known = {f.name for f in dataclasses.fields(DeviceProfile)}
-        return DeviceProfile(**{k: v for k, v in values.items() if k in known})
+        profile = DeviceProfile(**{k: v for k, v in values.items() if k in known})
     except (OSError, ValueError, TypeError) as e:
         raise UsageError(f"--profile={name_or_path} is not a valid profile ({e}): see "
                          f"{os.path.join(PROFILE_DIR, 'titan_pcie3.json')} for the fields") from None
+    for field, allowed in (("topology", comm.TOPOLOGIES), ("all_reduce", comm.ALGORITHMS),
+                           ("activation_gather", comm.ALGORITHMS)):
+        if getattr(profile, field) not in allowed:
+            raise UsageError(f"--profile={name_or_path}: {field}={getattr(profile, field)!r} is not one of "
+                             f"{', '.join(allowed)}: fix the profile")
+    return profile
 
 
 def measure(devices, matmul_size: int = 512, allreduce_mib: int = 16) -> DeviceProfile:

@@ -38,6 +38,7 @@ import dataclasses
 
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES
+from tf_multigpu.planner import comm
 from tf_multigpu.planner.cost_model import BYTES_PER_VALUE, ModelCost, placement
 from tf_multigpu.planner.device_profile import DeviceProfile
 
@@ -50,6 +51,7 @@ class Assumptions:
     split_conv_overhead: float = 1.3   # SplitConv2D time / tf.nn.conv2d time at equal FLOPs, where
                                        # the profile has no measured value (BUILD_NOTES: 1.24-1.5 on CPU)
     memory_fraction: float = 0.9       # usable share of a device's memory (runtime, workspace)
+    all_reduce: str = ""               # --all_reduce of the run (data parallelism; "": the profile's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Plan:
     binding: str = ""
     speedup: float = 0.0
     error: str = ""             # why the plan cannot run (then nothing else is set)
+    algorithm: str = ""         # the gradient reduction's algorithm (planner/comm.py)
 
     @property
     def devices(self) -> int:
@@ -116,12 +119,40 @@ def candidates(num_devices: int) -> list[tuple[str, int, int, str]]:
     return out
 
 
-def _ring(op: str, n: int, nbytes: float, profile: DeviceProfile) -> float:
-    """Seconds of one ring collective of a `nbytes` tensor over `n` devices."""
-    if n < 2 or nbytes <= 0:
-        return 0.0
-    hops = 2 * (n - 1) if op == "all_reduce" else n - 1
-    return hops / n * nbytes / profile.link_bandwidth_bytes_per_s + hops * profile.link_latency_s
+def _groups(b: int, m: int, axis: str) -> list[list[int]]:
+    """Device ids (b * M + m, the mesh's order) of each group along `axis` of a B x M mesh."""
+    if axis == "model":
+        return [[i * m + j for j in range(m)] for i in range(b)]
+    if axis == "batch":
+        return [[i * m + j for i in range(b)] for j in range(m)]
+    return [list(range(b * m))]   # "all": a layer whose rows are split over both axes
+
+
+def gradient_algorithm(profile: DeviceProfile, strategy: str, all_reduce: str = "") -> str:
+    """The algorithm a run's gradient reduction uses: --all_reduce for data parallelism (its
+    flag names, comm.FLAG_ALGORITHM), else the profile's default (what the machine runs)."""
+    if strategy == "data" and comm.FLAG_ALGORITHM.get(all_reduce):
+        return comm.FLAG_ALGORITHM[all_reduce]
+    return profile.all_reduce
+
+
+def _layer_flops(p, layer, profile: DeviceProfile, overhead: float, m: int) -> float:
+    """FLOPs one device runs for one layer per example: the im2col split convolution costs
+    `overhead` x its einsum's FLOPs, unless the machine splits convolutions natively."""
+    if p.split_conv_flops and profile.native_split_conv:
+        return (layer.fwd_flops + layer.bwd_flops) / m
+    return p.fwd_flops + p.bwd_flops + (overhead - 1) * p.split_conv_flops
+
+
+def op_count(layers, strategy: str) -> int:
+    """Operations one device launches per step, for the profile's per-operation overhead:
+    forward, input gradient, weight gradient and update per weighted layer, forward and
+    backward per other layer, and one per collective."""
+    ops = sum(4 if p.grad_bytes else 2 for p in layers)
+    ops += sum(len(p.collectives) for p in layers)
+    if strategy != "data":   # DTensor reduces each gradient tensor on its own; MirroredStrategy packs them
+        ops += sum(1 for p in layers if p.grad_bytes)
+    return ops + (1 if strategy == "data" else 0)
 
 
 def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, strategy: str, b: int, m: int,
@@ -137,22 +168,26 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
         return dataclasses.replace(plan, error=str(e))
     rate = profile.alone_flops_per_s if strategy == "single" else profile.flops_per_s
     overhead = profile.split_conv_overhead or assumptions.split_conv_overhead
-    flops = sum((p.fwd_flops + p.bwd_flops) + (overhead - 1) * p.split_conv_flops
-                for p in layers) * group_batch
-    compute = flops / rate
+    by_name = {layer.name: layer for layer in cost.layers}
+    flops = sum(_layer_flops(p, by_name[p.name], profile, overhead, m) for p in layers) * group_batch
+    compute = flops / rate + profile.per_op_overhead_s * op_count(layers, strategy)
     act_s = act_bytes = 0.0
     for p in layers:
         for c in p.collectives:
             nbytes = c.elems_per_example * group_batch * BYTES_PER_VALUE
-            act_s += _ring(c.op, m, nbytes, profile)
-            act_bytes += nbytes * ((2 * (m - 1) / m) if c.op == "all_reduce" else (m - 1) / m)
+            algorithm = profile.activation_gather if c.op == "all_gather" else "ring"
+            act_s += comm.seconds(profile, algorithm, c.op, _groups(b, m, "model"), nbytes)
+            act_bytes += comm.moved_bytes(algorithm, c.op, m, nbytes)
     grads = sum(p.grad_bytes for p in layers)
-    groups = [b * (m if p.rows_split else 1) for p in layers]   # devices summing each layer's gradients
+    algorithm = gradient_algorithm(profile, strategy, assumptions.all_reduce)
+    axes = ["all" if p.rows_split else "batch" for p in layers]   # devices summing each layer's gradients
     if strategy == "data":   # MirroredStrategy packs every gradient into one all-reduce
-        grad_s = _ring("all_reduce", b, grads, profile)
+        grad_s = comm.seconds(profile, algorithm, "all_reduce", _groups(b, m, "batch"), grads)
     else:                    # DTensor: one all-reduce per gradient tensor
-        grad_s = sum(_ring("all_reduce", g, p.grad_bytes, profile) for g, p in zip(groups, layers))
-    grad_bytes = sum(2 * (g - 1) / g * p.grad_bytes for g, p in zip(groups, layers))
+        grad_s = sum(comm.seconds(profile, algorithm, "all_reduce", _groups(b, m, axis), p.grad_bytes)
+                     for axis, p in zip(axes, layers))
+    grad_bytes = sum(comm.moved_bytes(algorithm, "all_reduce", b * (m if axis == "all" else 1), p.grad_bytes)
+                     for axis, p in zip(axes, layers))
     step = compute + act_s + (1 - assumptions.grad_overlap) * grad_s
     params = sum(p.param_bytes for p in layers)
     memory = {"parameters": params, "gradients": grads, "optimizer_slots": grads,
@@ -164,7 +199,7 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
     binding = "memory" if not fits else ("compute" if compute >= exposed else "communication")
     return dataclasses.replace(plan, compute_s=compute, activation_comm_s=act_s, grad_comm_s=grad_s,
                                step_time_s=step, activation_comm_bytes=act_bytes, grad_comm_bytes=grad_bytes,
-                               memory=memory, fits=fits, binding=binding)
+                               memory=memory, fits=fits, binding=binding, algorithm=algorithm)
 
 
 @dataclasses.dataclass(frozen=True)
