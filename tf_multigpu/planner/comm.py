@@ -15,6 +15,9 @@ Algorithms (`--all_reduce` names in brackets):
 - hierarchical_copy [hierarchical_copy]: TensorFlow's HierarchicalCopyAllReduce for the
   DGX-1: reduce each half of the devices to its first device, exchange between the two, then
   broadcast within each half (cross_device_utils.aggregate_gradients_using_hierarchical_copy).
+- reduce_scatter (an op, always a ring): the backward of an all-gather where each device
+  needs only its shard of the summed input gradient, as a native model-parallel
+  implementation does (profiling/analytic.py's minimum); DTensor all-reduces instead.
 - padded_all_reduce: how DTensor lowers an all-gather on CPU (BUILD_NOTES, profiling/
   collectives.py): a ring all-reduce of the whole zero-padded buffer, 2(n-1)/n of it per device
   instead of (n-1)/n.
@@ -67,13 +70,15 @@ def schedule(algorithm: str, op: str, group, nbytes: float, topology: str = "rin
         return []
     if algorithm == "padded_all_reduce":
         algorithm, op = "ring", "all_reduce"
-    if algorithm == "ring":
+    if algorithm == "ring":   # an all-gather and a reduce-scatter are each half of an all-reduce
         step = [(group[i], group[(i + 1) % n], nbytes / n) for i in range(n)]
         return [step] * (2 * (n - 1) if op == "all_reduce" else n - 1)
     if algorithm == "one_device":
         root, others = group[0], group[1:]
         gather = nbytes if op == "all_reduce" else nbytes / n   # the whole tensor, or each device's piece
         return [[(d, root, gather) for d in others], [(root, d, nbytes) for d in others]]
+    if op == "reduce_scatter":
+        return schedule("ring", op, group, nbytes, topology)
     if algorithm == "hierarchical_copy":
         if op != "all_reduce":
             return schedule("ring", op, group, nbytes, topology)

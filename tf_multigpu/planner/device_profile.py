@@ -50,6 +50,7 @@ class DeviceProfile:
     devices_per_switch: int = 0          # topology pcie_switch: devices behind each PCIe switch
     all_reduce: str = "ring"             # the gradient reduction the machine's software runs (comm.ALGORITHMS)
     activation_gather: str = "ring"      # how an all-gather of activations runs (padded_all_reduce: DTensor on CPU)
+    input_grad_reduce: str = "all_reduce"   # backward of a gathered input: all_reduce (DTensor) or reduce_scatter
     per_op_overhead_s: float = 0.0       # fixed cost of launching one operation (measured profiles)
     description: str = ""
     source: dict = dataclasses.field(default_factory=dict)
@@ -88,7 +89,8 @@ def load(name_or_path: str) -> DeviceProfile:
         raise UsageError(f"--profile={name_or_path} is not a valid profile ({e}): see "
                          f"{os.path.join(PROFILE_DIR, 'titan_pcie3.json')} for the fields") from None
     for field, allowed in (("topology", comm.TOPOLOGIES), ("all_reduce", comm.ALGORITHMS),
-                           ("activation_gather", comm.ALGORITHMS)):
+                           ("activation_gather", comm.ALGORITHMS),
+                           ("input_grad_reduce", ("all_reduce", "reduce_scatter"))):
         if getattr(profile, field) not in allowed:
             raise UsageError(f"--profile={name_or_path}: {field}={getattr(profile, field)!r} is not one of "
                              f"{', '.join(allowed)}: fix the profile")

@@ -173,11 +173,14 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
     compute = flops / rate + profile.per_op_overhead_s * op_count(layers, strategy)
     act_s = act_bytes = 0.0
     for p in layers:
+        gathered = any(c.op == "all_gather" for c in p.collectives)
         for c in p.collectives:
             nbytes = c.elems_per_example * group_batch * BYTES_PER_VALUE
-            algorithm = profile.activation_gather if c.op == "all_gather" else "ring"
-            act_s += comm.seconds(profile, algorithm, c.op, _groups(b, m, "model"), nbytes)
-            act_bytes += comm.moved_bytes(algorithm, c.op, m, nbytes)
+            op, algorithm = c.op, (profile.activation_gather if c.op == "all_gather" else "ring")
+            if op == "all_reduce" and gathered:   # the input was split: each device needs its shard back
+                op = profile.input_grad_reduce
+            act_s += comm.seconds(profile, algorithm, op, _groups(b, m, "model"), nbytes)
+            act_bytes += comm.moved_bytes(algorithm, op, m, nbytes)
     grads = sum(p.grad_bytes for p in layers)
     algorithm = gradient_algorithm(profile, strategy, assumptions.all_reduce)
     axes = ["all" if p.rows_split else "batch" for p in layers]   # devices summing each layer's gradients
