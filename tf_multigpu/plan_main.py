@@ -3,7 +3,8 @@
 
 Intentionally short: parse flags, build the plain model for the data set's input shape, get
 a device profile (a shipped one by name, a JSON file, or `measure` the devices here), and
-print the planner's ranked table; --out_dir also writes plan.md and plan.json. Bad input
+print the planner's ranked table (and, for a profile fitted to a published table, that table
+beside the predictions); --out_dir also writes plan.md and plan.json. Bad input
 prints one line and exits 2. The flags that describe the workload have the same names and
 meaning as tf-multigpu-train's.
 """
@@ -25,15 +26,18 @@ flags.DEFINE_string("dataset", "digits", "digits, synthetic or tfds:NAME: gives 
 flags.DEFINE_string("data_dir", None, "TFDS data directory for --dataset=tfds:NAME.")
 flags.DEFINE_integer("image_size", 0, "Resize images to SIZE x SIZE (0: the data set's own size; synthetic: 224).")
 flags.DEFINE_integer("batch_size", 64, "GLOBAL batch size, split over the replicas.")
-flags.DEFINE_string("profile", "measure", "A shipped device profile (titan_pcie3, k20_pcie3, v100_nvlink, "
-                    "a100_pcie4, h100_nvlink, h200_nvlink), a path to a profile .json, or 'measure' to "
-                    "benchmark the devices of this machine for a few seconds.")
+flags.DEFINE_string("profile", "measure", "A shipped device profile (titan_pcie3, yadan2013, p100_dgx1, k20_pcie3, "
+                    "v100_nvlink, a100_pcie4, h100_nvlink, h200_nvlink), a path to a profile .json, or "
+                    "'measure' to benchmark the devices of this machine for a few seconds. yadan2013 and "
+                    "p100_dgx1 also print their published table beside the planner's predictions.")
+flags.DEFINE_string("all_reduce", "auto", "The gradient reduction a data-parallel run would use, as "
+                    "tf-multigpu-train's --all_reduce (auto: the profile's default algorithm).")
 flags.DEFINE_integer("num_devices", 0, "Devices to plan for (0: the profile's devices, or all found).")
 flags.DEFINE_integer("cpu_devices", 0, "With --profile=measure: measure N logical CPU devices instead of GPUs.")
 flags.DEFINE_float("grad_overlap", 0.0, "Fraction of the gradient all-reduce assumed hidden behind compute.")
 flags.DEFINE_string("out_dir", None, "Also write plan.md and plan.json here.")
 FLAGS = flags.FLAGS
-_OWN_FLAGS = ("model", "dataset", "data_dir", "image_size", "batch_size", "profile", "num_devices",
+_OWN_FLAGS = ("model", "dataset", "data_dir", "image_size", "batch_size", "profile", "all_reduce", "num_devices",
               "cpu_devices", "grad_overlap", "out_dir")
 
 
@@ -45,8 +49,10 @@ def main(argv):
         table = _plan()
     except UsageError as e:
         _fail(str(e))
-    from tf_multigpu.planner import to_markdown
+    from tf_multigpu.planner import published, to_markdown
     text = to_markdown(table)
+    if table.profile.name in published.TABLES:
+        text += "\n" + published.to_markdown(table.profile.name, table.profile)
     print(text, flush=True)
     if FLAGS.out_dir:
         try:
@@ -68,6 +74,9 @@ def _plan():
     if not 0 <= FLAGS.grad_overlap <= 1:
         raise UsageError(f"--grad_overlap={FLAGS.grad_overlap} must be in [0, 1]")
     from tf_multigpu import planner
+    from tf_multigpu.planner.comm import FLAG_ALGORITHM
+    if FLAGS.all_reduce not in FLAG_ALGORITHM:
+        raise UsageError(f"--all_reduce={FLAGS.all_reduce} is not one of {', '.join(FLAG_ALGORITHM)}")
     profile = None
     if FLAGS.profile != "measure":
         if FLAGS.cpu_devices:
@@ -88,7 +97,8 @@ def _plan():
             raise UsageError(f"profile {profile.name} does not say how many devices it has: give --num_devices")
     cost = planner.analyze(build_model(FLAGS.model, source.image_shape, source.num_classes))
     return planner.plan_table(cost, profile, num_devices, FLAGS.batch_size,
-                              planner.Assumptions(grad_overlap=FLAGS.grad_overlap))
+                              planner.Assumptions(grad_overlap=FLAGS.grad_overlap,
+                                                  all_reduce="" if FLAGS.all_reduce == "auto" else FLAGS.all_reduce))
 
 
 def _fail(message: str, status: int = cli.USAGE_ERROR):

@@ -43,6 +43,9 @@ flags.DEFINE_integer("cpu_devices", _D.cpu_devices,
                      "every strategy on any machine, not for speed. 0: GPUs if any, else 2 logical CPUs.")
 flags.DEFINE_string("all_reduce", _D.all_reduce, f"Cross-device gradient reduction for --strategy=data: "
                     f"one of {', '.join(ALL_REDUCE)} (auto: TensorFlow's choice; nccl needs GPUs).")
+flags.DEFINE_string("profile", _D.profile, "--strategy=auto plans with this device profile: a shipped name "
+                    "(tf-multigpu-plan --help lists them), a profile .json, or measure (benchmark this "
+                    "run's devices for a few seconds).")
 flags.DEFINE_string("dataset", _D.dataset, "digits (scikit-learn's 1,797 handwritten digits, no "
                     "download), synthetic (random ImageNet-shaped images, for benchmarks), or "
                     "tfds:NAME (a TFDS image classification set prepared under --data_dir).")

@@ -109,6 +109,8 @@ def measure(devices, matmul_size: int = 512, allreduce_mib: int = 16) -> DeviceP
         name="measured", peak_flops_per_s=flops_all, memory_bytes=_memory_per_device(devices),
         link_bandwidth_bytes_per_s=bandwidth, link_latency_s=latency, compute_efficiency=1.0,
         single_device_flops_per_s=flops_one, num_devices=len(devices), split_conv_overhead=overhead,
+        # DTensor lowers an all-gather on CPU to an all-reduce of a zero-padded buffer (BUILD_NOTES).
+        activation_gather="ring" if "GPU" in devices[0].upper() else "padded_all_reduce",
         description=f"measured on {len(devices)} x {devices[0]}",
         source={"method": f"float32 {matmul_size}^3 matmuls on all devices at once and on one alone; "
                           f"MirroredStrategy ring all-reduce of {allreduce_mib} MiB and of 1 value; "

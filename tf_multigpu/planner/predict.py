@@ -306,11 +306,16 @@ def to_markdown(table: PlanTable) -> str:
         (f"Profile {p.name}: {p.flops_per_s / 1e12:.3g} TFLOP/s sustained per device "
          f"({p.peak_flops_per_s / 1e12:.3g} peak x {p.compute_efficiency:g} efficiency; one device alone "
          f"{p.alone_flops_per_s / 1e12:.3g}), {p.memory_bytes / 2**30:.1f} GiB per device, links "
-         f"{p.link_bandwidth_bytes_per_s / 1e9:.3g} GB/s and {p.link_latency_s * 1e6:.3g} us per ring hop. "
-         f"{p.description}"),
+         f"{p.link_bandwidth_bytes_per_s / 1e9:.3g} GB/s"
+         + (f" (root complex {p.host_bandwidth_bytes_per_s / 1e9:.3g} GB/s, shared)" if p.host_bandwidth_bytes_per_s else "")
+         + f" and {p.link_latency_s * 1e6:.3g} us per transfer phase"
+         + (f", {p.per_op_overhead_s * 1e6:.3g} us per operation" if p.per_op_overhead_s else "") + ". "
+         + p.description),
         "",
         (f"Assumptions: step = compute + activation exchange (on the critical path) + "
-         f"{1 - a.grad_overlap:g} x gradient all-reduce (grad_overlap={a.grad_overlap:g}); ring collectives; "
+         f"{1 - a.grad_overlap:g} x gradient all-reduce (grad_overlap={a.grad_overlap:g}); gradients reduced by "
+         f"{gradient_algorithm(p, 'data', a.all_reduce)} (data parallel; {p.all_reduce} otherwise), activations "
+         f"gathered by {p.activation_gather}, on a {p.topology} topology (planner/comm.py); "
          f"FLOPs of convolutions and dense layers (2 per multiply-add) and pooling only; split convolutions "
          f"cost {p.split_conv_overhead or a.split_conv_overhead:.3g}x their FLOPs; a plan fits if parameters + "
          f"gradients + momentum + activations <= {a.memory_fraction:g} x device memory. Speedup is against "
