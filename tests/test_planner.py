@@ -1,6 +1,7 @@
 """The planner: FLOPs and bytes per layer, communication formulas, memory marking, the
 recommendation for AlexNet on the paper's machine, the plan CLI and --strategy=auto."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -184,6 +185,15 @@ def test_measure_profiles_the_logical_devices_in_seconds(devices):
     assert time.perf_counter() - start < 30
     assert p.flops_per_s > 1e8 and p.link_bandwidth_bytes_per_s > 1e7 and 0 < p.link_latency_s < 0.1
     assert p.split_conv_overhead > 0 and p.num_devices == 2
+    # Issue 14: the memory-bound update and the per-op overhead, with all devices busy and alone.
+    assert 0 < p.per_op_overhead_s < 0.01
+    assert p.memory_bandwidth_bytes_per_s > 1e7 and p.single_device_memory_bandwidth_bytes_per_s > 1e7
+    plan = predict_plan(planner.analyze(build_model("small_convnet", (8, 8, 1), 10)), p, 64, "data", 2, 1, "")
+    bare = predict_plan(planner.analyze(build_model("small_convnet", (8, 8, 1), 10)),
+                        dataclasses.replace(p, per_op_overhead_s=0.0, memory_bandwidth_bytes_per_s=0.0), 64, "data", 2, 1, "")
+    update = 5 * 226_570 * 4 / p.memory_bandwidth_bytes_per_s   # momentum: read w, g, v; write v, w
+    assert plan.compute_s - bare.compute_s == pytest.approx(update + p.per_op_overhead_s * planner.predict.op_count(
+        placement(planner.analyze(build_model("small_convnet", (8, 8, 1), 10)), None, {"batch": 2, "model": 1}), "data"))
 
 
 def test_kendall_tau_of_the_comparison_tool():
@@ -370,3 +380,40 @@ def test_strategy_auto_takes_a_shipped_profile():
         Config(run_dir="r", strategy="data", profile="yadan2013").validate()
     with pytest.raises(UsageError, match="--profile=nope: no such profile"):
         Config(run_dir="r", strategy="auto", profile="nope").validate()
+
+
+@pytest.mark.slow
+def test_communication_report_measures_the_bytes_the_planner_predicts(tmp_path):
+    """Per algorithm, the bytes the run's own lowered graph moves (the comm report) are the
+    planner's: MirroredStrategy's ring all-reduce on 4 CPUs (data), DTensor's lowering on a
+    1x2 and a 2x2 mesh (the split inputs all-gathered, their gradients all-reduced, not
+    reduce-scattered, and 3 values per example for the softmax over split classes). The
+    report files a hybrid group's (32-row) input gradient under gradients, so kinds are summed;
+    the loss and metric scalars are not modelled."""
+    cost = planner.analyze(build_model("small_convnet", (8, 8, 1), 10))
+    for name, flags, plan in [
+        ("data4", ["--strategy=data", "--cpu_devices=4"], ("data", 4, 1, "")),
+        ("model2", ["--strategy=model", "--cpu_devices=2"], ("model", 1, 2, "filter_split")),
+        ("hybrid4", ["--strategy=hybrid", "--cpu_devices=4", "--mesh=batch:2,model:2"], ("hybrid", 2, 2, "filter_split")),
+    ]:
+        run_dir = str(tmp_path / name)
+        done = run_cli(f"--run_dir={run_dir}", "--batch_size=64", "--steps=4", "--log_every=4", "--profile_steps=3,3",
+                       "--noexport", *flags)
+        assert done.returncode == 0, done.stderr[-3000:]
+        moved = _read_json(run_dir, "comm_report.json")["bytes_per_device"]
+        predicted = predict_plan(cost, _profile(), 64, *plan)
+        measured = sum(moved[kind]["moved_bytes"] for kind in ("gradients", "parameters", "activations"))
+        assert measured == pytest.approx(predicted.grad_comm_bytes + predicted.activation_comm_bytes), name
+        if name == "data4":
+            assert moved["gradients"]["moved_bytes"] == pytest.approx(predicted.grad_comm_bytes)
+
+
+@pytest.mark.slow
+def test_strategy_auto_with_a_shipped_profile_trains_its_plan(tmp_path):
+    run_dir = str(tmp_path / "auto")
+    done = run_cli(f"--run_dir={run_dir}", "--strategy=auto", "--profile=yadan2013", "--cpu_devices=2", "--steps=2",
+                   "--log_every=1", "--noexport")
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = _read_json(run_dir, "summary.json")["plan"]
+    assert plan["profile"]["name"] == "yadan2013" and "(profile yadan2013;" in done.stdout
+    assert plan["ranking"][0][0] == plan["label"] and len(plan["ranking"]) == 5   # single, data, 3 layouts on 2 devices

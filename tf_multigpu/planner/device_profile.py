@@ -4,11 +4,13 @@ A DeviceProfile comes from a JSON file (`profiles/NAME.json` ships a few well-kn
 each number with its source) or from `measure(devices)`, a micro-benchmark of a few seconds
 on the devices a run will use:
 
-- compute: float32 matmuls on every device at once (the rate each device keeps while all are
-  busy, which is what a parallel step sees), and on the first device alone (logical CPU
-  devices share the same cores, so one device alone runs up to N times faster; on GPUs the
-  two rates are the same). Matmul is the best case of a ConvNet's kernels: the planner's
-  times are lower bounds of compute, and that is stated in its table.
+- compute: a 3x3 convolution forward and backward on every device at once (the rate each
+  device keeps while all are busy, which is what a parallel step sees), and on the first
+  device alone (logical CPU devices share the same cores, so one device alone runs up to N
+  times faster; on GPUs the two rates are the same).
+- memory-bound work: a momentum update of 8 MiB on all devices at once and on one alone
+  (every replica updates its own copy of its weights; on shared cores they share the memory
+  bandwidth), and the per-operation overhead of a chain of scalar ops on all devices at once.
 - links: a ring all-reduce among all devices (MirroredStrategy, the same collective data
   parallelism uses) of a large tensor (bandwidth) and of one value (latency); the bandwidth is
   the per-device "bus" bandwidth, bytes = 2(N-1)/N x size over time, so that the cost model's
@@ -28,6 +30,9 @@ import time
 from tf_multigpu.errors import UsageError
 from tf_multigpu.planner import comm
 
+# A momentum update reads the weights, the gradient and the velocity and writes velocity and
+# weights: 5 bytes moved per byte of weights (training/optimizer.py's update).
+UPDATE_BYTES_PER_PARAM_BYTE = 5
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
 
@@ -52,6 +57,8 @@ class DeviceProfile:
     activation_gather: str = "ring"      # how an all-gather of activations runs (padded_all_reduce: DTensor on CPU)
     input_grad_reduce: str = "all_reduce"   # backward of a gathered input: all_reduce (DTensor) or reduce_scatter
     per_op_overhead_s: float = 0.0       # fixed cost of launching one operation (measured profiles)
+    memory_bandwidth_bytes_per_s: float = 0.0   # per device, all busy, for the optimizer update (0: not modelled)
+    single_device_memory_bandwidth_bytes_per_s: float = 0.0   # one device alone (0: as above)
     description: str = ""
     source: dict = dataclasses.field(default_factory=dict)
 
@@ -97,25 +104,100 @@ def load(name_or_path: str) -> DeviceProfile:
     return profile
 
 
-def measure(devices, matmul_size: int = 512, allreduce_mib: int = 16) -> DeviceProfile:
+def measure(devices, allreduce_mib: int = 16) -> DeviceProfile:
     """A profile of `devices` (TensorFlow device names) from a few-second micro-benchmark."""
     import tensorflow as tf
 
-    flops_all = _matmul_rate(devices, matmul_size)
-    flops_one = _matmul_rate(devices[:1], matmul_size)
+    flops_all, flops_one = _conv_rate(devices), _conv_rate(devices[:1])
     bandwidth, latency = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib)
     overhead = _split_conv_overhead(devices[0])
+    memory_all, memory_one = _update_bandwidth(devices), _update_bandwidth(devices[:1])
     return DeviceProfile(
         name="measured", peak_flops_per_s=flops_all, memory_bytes=_memory_per_device(devices),
         link_bandwidth_bytes_per_s=bandwidth, link_latency_s=latency, compute_efficiency=1.0,
         single_device_flops_per_s=flops_one, num_devices=len(devices), split_conv_overhead=overhead,
-        # DTensor lowers an all-gather on CPU to an all-reduce of a zero-padded buffer (BUILD_NOTES).
-        activation_gather="ring" if "GPU" in devices[0].upper() else "padded_all_reduce",
+        per_op_overhead_s=_op_overhead(devices), memory_bandwidth_bytes_per_s=memory_all,
+        single_device_memory_bandwidth_bytes_per_s=memory_one,
         description=f"measured on {len(devices)} x {devices[0]}",
-        source={"method": f"float32 {matmul_size}^3 matmuls on all devices at once and on one alone; "
-                          f"MirroredStrategy ring all-reduce of {allreduce_mib} MiB and of 1 value; "
-                          "split_conv2d against tf.nn.conv2d, forward and backward, 3x3 conv 64->64 on 16x16",
+        source={"method": "3x3 convolution 64->64 on 16x16, forward and backward, on all devices at once "
+                          "and on one alone (the FLOP rates); momentum updates of 8 MiB (memory bandwidth, "
+                          f"all at once and alone); chains of tiny ops (per-op overhead); MirroredStrategy ring "
+                          f"all-reduce of {allreduce_mib} MiB and of 1 value; split_conv2d against tf.nn.conv2d",
                 "tensorflow": tf.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def _concurrent_seconds(devices, make_inputs, body) -> float:
+    """Best time of `body(*inputs)` run on every device of `devices` at once, in one function."""
+    import tensorflow as tf
+
+    inputs = []
+    for d in devices:
+        with tf.device(d):
+            inputs.append(make_inputs())
+
+    @tf.function
+    def run():
+        outs = []
+        for d, args in zip(devices, inputs):
+            with tf.device(d):
+                outs.append(body(*args))
+        return outs
+
+    return _best_time(lambda: [o.numpy() for o in run()])
+
+
+def _conv_rate(devices, batch: int = 16, size: int = 16, channels: int = 64, chain: int = 2) -> float:
+    """FLOP/s each device sustains on a ConvNet's main kernel, a 3x3 convolution forward and
+    backward (3x its forward FLOPs), while all of `devices` run one: on logical CPU devices
+    the cores are shared, so the rate with all busy is what a parallel step sees."""
+    import tensorflow as tf
+
+    def make():
+        return (tf.random.normal([batch, size, size, channels]), tf.random.normal([3, 3, channels, channels]) * 0.05)
+
+    def body(x, w):
+        total = tf.constant(0.0)
+        for _ in range(chain):
+            with tf.GradientTape() as tape:
+                tape.watch([x, w])
+                y = tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME"))
+            dx, dw = tape.gradient(y, [x, w])
+            total += tf.reduce_sum(dx[:1, :1, :1]) + tf.reduce_sum(dw[:1])
+        return total
+
+    flops = chain * 3 * 2.0 * batch * size * size * channels * 9 * channels
+    return flops / _concurrent_seconds(devices, make, body)
+
+
+def _update_bandwidth(devices, mib: int = 8) -> float:
+    """Bytes/s each device moves in a momentum update (read w, g, v; write v, w) while all of
+    `devices` run one: the memory-bound work that every replica repeats on its own weights."""
+    import tensorflow as tf
+
+    n = mib * 2**20 // 4
+
+    def make():
+        return tf.Variable(tf.zeros([n])), tf.Variable(tf.zeros([n])), tf.ones([n])
+
+    def body(w, v, g):
+        v.assign(0.9 * v + g)
+        w.assign_sub(0.01 * v)
+        return w[0]
+
+    return UPDATE_BYTES_PER_PARAM_BYTE * mib * 2**20 / _concurrent_seconds(devices, make, body)
+
+
+def _op_overhead(devices, ops: int = 200) -> float:
+    """Seconds per operation of a chain of dependent scalar ops on every device at once: the
+    fixed cost that dominates small layers (launch, scheduling, the shared cores' switching)."""
+    import tensorflow as tf
+
+    def body(x):
+        for _ in range(ops):
+            x = x * 1.0001 + 1e-4
+        return x
+
+    return _concurrent_seconds(devices, lambda: (tf.constant(1.0),), body) / (2 * ops)
 
 
 def _best_time(fn, repeats: int = 3) -> float:
@@ -126,30 +208,6 @@ def _best_time(fn, repeats: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def _matmul_rate(devices, n: int, chain: int = 8) -> float:
-    """FLOP/s each device sustains on a chain of n x n matmuls while all of `devices` run one."""
-    import tensorflow as tf
-
-    mats = []
-    for d in devices:
-        with tf.device(d):
-            mats.append(tf.random.normal([n, n]) / n ** 0.5)
-
-    @tf.function
-    def run():
-        outs = []
-        for d, x in zip(devices, mats):
-            with tf.device(d):
-                y = x
-                for _ in range(chain):
-                    y = tf.matmul(y, x)
-                outs.append(tf.reduce_sum(y))
-        return outs
-
-    seconds = _best_time(lambda: [o.numpy() for o in run()])
-    return chain * 2.0 * n ** 3 / seconds
 
 
 def _allreduce_rates(devices, mib: int) -> tuple[float, float]:

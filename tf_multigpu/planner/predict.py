@@ -40,7 +40,13 @@ from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES
 from tf_multigpu.planner import comm
 from tf_multigpu.planner.cost_model import BYTES_PER_VALUE, ModelCost, placement
-from tf_multigpu.planner.device_profile import DeviceProfile
+from tf_multigpu.planner.device_profile import UPDATE_BYTES_PER_PARAM_BYTE, DeviceProfile
+
+
+# DTensor's lowered step all-reduces, per example, the split logits' max, the softmax's sum and
+# the label's logit (`logits/BiasAdd/DTensorAllReduceOp` x2, `SoftmaxCrossEntropyWithLogits/
+# DTensorAllReduceOp` in the comm report), on top of gathering the logits for the accuracy.
+SOFTMAX_EXCHANGE_VALUES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +177,10 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
     by_name = {layer.name: layer for layer in cost.layers}
     flops = sum(_layer_flops(p, by_name[p.name], profile, overhead, m) for p in layers) * group_batch
     compute = flops / rate + profile.per_op_overhead_s * op_count(layers, strategy)
+    memory_rate = (profile.single_device_memory_bandwidth_bytes_per_s if strategy == "single" else 0.0) \
+        or profile.memory_bandwidth_bytes_per_s
+    if memory_rate:   # the optimizer update each device runs on its own weights (shards)
+        compute += UPDATE_BYTES_PER_PARAM_BYTE * sum(p.grad_bytes for p in layers) / memory_rate
     act_s = act_bytes = 0.0
     for p in layers:
         gathered = any(c.op == "all_gather" for c in p.collectives)
@@ -181,6 +191,10 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
                 op = profile.input_grad_reduce
             act_s += comm.seconds(profile, algorithm, op, _groups(b, m, "model"), nbytes)
             act_bytes += comm.moved_bytes(algorithm, op, m, nbytes)
+            if c.layer == "loss":   # a softmax over split classes also sums 3 values per example
+                nbytes = SOFTMAX_EXCHANGE_VALUES * group_batch * BYTES_PER_VALUE   # across the shards
+                act_s += comm.seconds(profile, "ring", "all_reduce", _groups(b, m, "model"), nbytes)
+                act_bytes += comm.moved_bytes("ring", "all_reduce", m, nbytes)
     grads = sum(p.grad_bytes for p in layers)
     algorithm = gradient_algorithm(profile, strategy, assumptions.all_reduce)
     axes = ["all" if p.rows_split else "batch" for p in layers]   # devices summing each layer's gradients
