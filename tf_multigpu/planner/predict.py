@@ -12,16 +12,27 @@ DeviceProfile:
                 split ones and through layers whose rows are split (conv_data_fc_model's
                 convolutions); SplitConv2D's im2col formulation costs `split_conv_overhead` x
                 its einsum FLOPs (measured against tf.nn.conv2d, BUILD_NOTES.md).
-  activations = the all-gathers (forward) and input-gradient all-reduces (backward) of the
-                model-parallel layers, over the model axis. They sit on the critical path:
-                no overlap.
-  gradients   = one ring all-reduce of each device's gradient bytes over the batch axis
-                (data: over all N; layers whose rows are split: over B x M). Exposed
-                fraction 1 - `grad_overlap`; the default overlap
-                is 0 because our step overlaps nothing: Keras all-reduces every gradient in
-                one pack inside `optimizer.apply`, after the backward pass ends.
-  ring collectives: all-reduce 2(n-1)/n x bytes / bandwidth + 2(n-1) x latency; all-gather
-                (n-1)/n x bytes / bandwidth + (n-1) x latency (n devices on the axis).
+                The profile may add a fixed cost per operation (`op_count`) and the
+                optimizer update's memory traffic (5 x the device's weight bytes / the
+                update bandwidth measured with all devices busy; alone for `single`).
+                A profile with `native_split_conv` runs split convolutions at their plain FLOPs.
+  activations = the all-gathers (forward) and input-gradient all-reduces (backward; a
+                reduce-scatter where the profile's implementation sends each device only
+                its shard) of the model-parallel layers, over the model axis, all B groups
+                at once; plus 3 values per example for a softmax over split classes. On the
+                critical path: no overlap.
+  gradients   = the all-reduce of each device's gradient bytes over the batch axis (data:
+                over all N, one packed tensor; layers whose rows are split: over B x M;
+                DTensor: one per tensor), all M groups at once, with the algorithm a run
+                would use (--all_reduce, else the profile's). Exposed fraction 1 -
+                `grad_overlap`; the default overlap is 0 because our step overlaps nothing:
+                Keras all-reduces every gradient in one pack inside `optimizer.apply`,
+                after the backward pass ends.
+  collectives : `comm.py`: each algorithm (ring, star to one device, hierarchical copy,
+                DTensor's padded gather) as phases of transfers, each transfer on the links
+                of the profile's topology; a link carrying k transfers takes k times as long.
+                On the default topology (`ring`: every device its own link) a ring all-reduce
+                costs 2(n-1)/n x bytes / bandwidth + 2(n-1) x latency, an all-gather half.
   step time   = compute + activations + (1 - grad_overlap) x gradients.
   memory      = parameters + gradients + momentum slot (this device's shards) + activations
                 kept for the backward (+ split-conv patches) + the input batch; it fits if
