@@ -86,16 +86,17 @@ def _plan():
     from tf_multigpu.models import build_model, get_factory
     get_factory(FLAGS.model)
     source = load_source(FLAGS.dataset, FLAGS.data_dir, FLAGS.image_size)
+    model = build_model(FLAGS.model, source.image_shape, source.num_classes)
     if profile is None:
         from tf_multigpu.parallel import configure_devices
         devices = configure_devices(FLAGS.num_devices, FLAGS.cpu_devices)
-        profile = planner.measure(devices)
+        profile = planner.measure(devices, model, max(FLAGS.batch_size // len(devices), 1))
         num_devices = len(devices)
     else:
         num_devices = FLAGS.num_devices or profile.num_devices
         if not num_devices:
             raise UsageError(f"profile {profile.name} does not say how many devices it has: give --num_devices")
-    cost = planner.analyze(build_model(FLAGS.model, source.image_shape, source.num_classes))
+    cost = planner.analyze(model)
     return planner.plan_table(cost, profile, num_devices, FLAGS.batch_size,
                               planner.Assumptions(grad_overlap=FLAGS.grad_overlap,
                                                   all_reduce="" if FLAGS.all_reduce == "auto" else FLAGS.all_reduce))

@@ -73,9 +73,10 @@ def main(_):
     from tf_multigpu.parallel import configure_devices
 
     devices = configure_devices(0, FLAGS.cpu_devices)
-    profile = planner.measure(devices)
     source = load_source(FLAGS.dataset, None, FLAGS.image_size)
-    cost = planner.analyze(build_model(FLAGS.model, source.image_shape, source.num_classes))
+    model = build_model(FLAGS.model, source.image_shape, source.num_classes)
+    profile = planner.measure(devices, model, max(FLAGS.batch_size // len(devices), 1))
+    cost = planner.analyze(model)
     table = planner.plan_table(cost, profile, len(devices), FLAGS.batch_size)
     plans = [p for p in table.plans if p.fits]
     with tempfile.TemporaryDirectory() as workdir:

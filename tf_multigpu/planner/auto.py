@@ -24,8 +24,9 @@ def resolve_strategy(cfg: Config, devices, source, profile=None) -> tuple[Config
     profile, or a measurement of `devices`. The plan is for the run's own device count."""
     if cfg.strategy != "auto":
         return cfg, None
-    cost = analyze(build_model(cfg.model, source.image_shape, source.num_classes))
-    profile = profile or (measure(devices) if cfg.profile == "measure" else load(cfg.profile))
+    model = build_model(cfg.model, source.image_shape, source.num_classes)
+    cost = analyze(model)
+    profile = profile or (measure(devices, model, max(cfg.batch_size // len(devices), 1)) if cfg.profile == "measure" else load(cfg.profile))
     table = plan_table(cost, profile, len(devices), cfg.batch_size)
     best = table.best
     print(f"--strategy=auto chose {best.label} ({best.flags()}): predicted {best.step_time_s * 1e3:.1f} ms "

@@ -4,7 +4,7 @@ A DeviceProfile comes from a JSON file (`profiles/NAME.json` ships a few well-kn
 each number with its source) or from `measure(devices)`, a micro-benchmark of a few seconds
 on the devices a run will use:
 
-- compute: a 3x3 convolution forward and backward on every device at once (the rate each
+- compute: the model's convolutions (or a 3x3 one) forward and backward on every device at once (the rate each
   device keeps while all are busy, which is what a parallel step sees), and on the first
   device alone (logical CPU devices share the same cores, so one device alone runs up to N
   times faster; on GPUs the two rates are the same).
@@ -104,13 +104,20 @@ def load(name_or_path: str) -> DeviceProfile:
     return profile
 
 
-def measure(devices, allreduce_mib: int = 16) -> DeviceProfile:
-    """A profile of `devices` (TensorFlow device names) from a few-second micro-benchmark."""
+def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 16) -> DeviceProfile:
+    """A profile of `devices` (TensorFlow device names) from a few-second micro-benchmark.
+
+    With a built Keras `model`, the convolution rate and the split convolution's overhead are
+    timed on the model's own convolutions at `batch` examples per device (give the run's: a
+    CPU's rate depends on it): small feature maps run far below a large layer's rate, and the
+    im2col overhead grows as maps shrink (BUILD_NOTES)."""
     import tensorflow as tf
 
-    flops_all, flops_one = _conv_rate(devices), _conv_rate(devices[:1])
+    convs = _model_convs(model) if model is not None else []
+    convs = convs or [((16, 16, 64), (3, 3, 64, 64), 1, "SAME")]
+    flops_all, flops_one = _conv_rate(devices, convs, batch), _conv_rate(devices[:1], convs, batch)
     bandwidth, latency = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib)
-    overhead = _split_conv_overhead(devices[0])
+    overhead = _split_conv_overhead(devices[0], convs, batch)
     memory_all, memory_one = _update_bandwidth(devices), _update_bandwidth(devices[:1])
     return DeviceProfile(
         name="measured", peak_flops_per_s=flops_all, memory_bytes=_memory_per_device(devices),
@@ -119,10 +126,11 @@ def measure(devices, allreduce_mib: int = 16) -> DeviceProfile:
         per_op_overhead_s=_op_overhead(devices), memory_bandwidth_bytes_per_s=memory_all,
         single_device_memory_bandwidth_bytes_per_s=memory_one,
         description=f"measured on {len(devices)} x {devices[0]}",
-        source={"method": "3x3 convolution 64->64 on 16x16, forward and backward, on all devices at once "
-                          "and on one alone (the FLOP rates); momentum updates of 8 MiB (memory bandwidth, "
+        source={"method": f"{'the model' if model is not None else 'a 3x3 64->64 16x16'}'s convolutions, forward "
+                          "and backward, on all devices at once and on one alone (the FLOP rates), and as split "
+                          "convolutions against tf.nn.conv2d; momentum updates of 8 MiB (memory bandwidth, "
                           f"all at once and alone); chains of tiny ops (per-op overhead); MirroredStrategy ring "
-                          f"all-reduce of {allreduce_mib} MiB and of 1 value; split_conv2d against tf.nn.conv2d",
+                          f"all-reduce of {allreduce_mib} MiB and of 1 value",
                 "tensorflow": tf.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
@@ -146,27 +154,44 @@ def _concurrent_seconds(devices, make_inputs, body) -> float:
     return _best_time(lambda: [o.numpy() for o in run()])
 
 
-def _conv_rate(devices, batch: int = 16, size: int = 16, channels: int = 64, chain: int = 2) -> float:
-    """FLOP/s each device sustains on a ConvNet's main kernel, a 3x3 convolution forward and
-    backward (3x its forward FLOPs), while all of `devices` run one: on logical CPU devices
-    the cores are shared, so the rate with all busy is what a parallel step sees."""
+def _model_convs(model) -> list[tuple]:
+    """(input shape, kernel shape, stride, padding) of every Conv2D of a built Keras model."""
+    import keras
+    return [(tuple(layer.input.shape[1:]), tuple(layer.kernel.shape), layer.strides[0], layer.padding.upper())
+            for layer in model.layers if isinstance(layer, keras.layers.Conv2D)]
+
+
+def _conv_flops(convs, batch: int) -> float:
+    """Forward + backward FLOPs (3x the forward's) of `convs` at `batch`."""
+    total = 0.0
+    for (h, w, cin), (kh, kw, _, cout), stride, padding in convs:
+        oh, ow = ((h + stride - 1) // stride, (w + stride - 1) // stride) if padding == "SAME" else \
+            ((h - kh) // stride + 1, (w - kw) // stride + 1)
+        total += 3 * 2.0 * batch * oh * ow * cout * kh * kw * cin
+    return total
+
+
+def _conv_rate(devices, convs, batch: int = 4) -> float:
+    """FLOP/s each device sustains on `convs` forward and backward while all of `devices` run
+    them: on logical CPU devices the cores are shared, so the rate with all busy is what a
+    parallel step sees (and one device alone, what `single` sees)."""
     import tensorflow as tf
 
     def make():
-        return (tf.random.normal([batch, size, size, channels]), tf.random.normal([3, 3, channels, channels]) * 0.05)
+        return tuple((tf.random.normal([batch, *shape]), tf.random.normal(kernel) * 0.05)
+                     for shape, kernel, _, _ in convs)
 
-    def body(x, w):
+    def body(*pairs):
         total = tf.constant(0.0)
-        for _ in range(chain):
+        for (x, w), (_, _, stride, padding) in zip(pairs, convs):
             with tf.GradientTape() as tape:
                 tape.watch([x, w])
-                y = tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME"))
+                y = tf.reduce_sum(tf.nn.conv2d(x, w, stride, padding))
             dx, dw = tape.gradient(y, [x, w])
             total += tf.reduce_sum(dx[:1, :1, :1]) + tf.reduce_sum(dw[:1])
         return total
 
-    flops = chain * 3 * 2.0 * batch * size * size * channels * 9 * channels
-    return flops / _concurrent_seconds(devices, make, body)
+    return _conv_flops(convs, batch) / _concurrent_seconds(devices, make, body)
 
 
 def _update_bandwidth(devices, mib: int = 8) -> float:
@@ -240,28 +265,31 @@ def _allreduce_rates(devices, mib: int) -> tuple[float, float]:
     return bandwidth, small / hops
 
 
-def _split_conv_overhead(device: str) -> float:
-    """Time of our filter-split convolution (im2col + einsum) over tf.nn.conv2d's, fwd + bwd."""
+def _split_conv_overhead(device: str, convs, batch: int = 4) -> float:
+    """Time of our filter-split convolution (im2col + einsum) over tf.nn.conv2d's on `convs`,
+    forward and backward."""
     import tensorflow as tf
 
     from tf_multigpu.parallel.split_conv import split_conv2d
 
     with tf.device(device):
-        x = tf.random.normal([16, 16, 16, 64])
-        w = tf.Variable(tf.random.normal([3, 3, 64, 64]) * 0.05)
+        pairs = [(tf.random.normal([batch, *shape]), tf.random.normal(kernel) * 0.05) for shape, kernel, _, _ in convs]
 
     def step(conv):
         @tf.function
         def run():
+            out = []
             with tf.device(device):
-                with tf.GradientTape() as tape:
-                    tape.watch(x)
-                    y = tf.reduce_sum(conv(x, w))
-                return [tf.reduce_sum(g) for g in tape.gradient(y, [x, w])]
+                for (x, w), (_, _, stride, padding) in zip(pairs, convs):
+                    with tf.GradientTape() as tape:
+                        tape.watch([x, w])
+                        y = tf.reduce_sum(conv(x, w, stride, padding))
+                    out += [tf.reduce_sum(g) for g in tape.gradient(y, [x, w])]
+            return out
         return lambda: [t.numpy() for t in run()]
 
-    ours = _best_time(step(lambda x, w: split_conv2d(x, w, 1, "SAME")), repeats=5)
-    stock = _best_time(step(lambda x, w: tf.nn.conv2d(x, w, 1, "SAME")), repeats=5)
+    ours = _best_time(step(split_conv2d), repeats=5)
+    stock = _best_time(step(tf.nn.conv2d), repeats=5)
     return ours / stock
 
 
