@@ -318,7 +318,7 @@ def test_the_plan_uses_the_runs_all_reduce_else_the_profiles(alexnet_cost):
 
 def _write_profile(changes):
     import tempfile
-    values = {**json.load(open(os.path.join(planner.device_profile.PROFILE_DIR, "titan_pcie3.json"))), **changes}
+    values = {**_read_json(planner.device_profile.PROFILE_DIR, "titan_pcie3.json"), **changes}
     path = os.path.join(tempfile.mkdtemp(), "bad.json")
     with open(path, "w") as f:
         json.dump(values, f)

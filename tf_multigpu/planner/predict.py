@@ -51,8 +51,10 @@ from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES
 from tf_multigpu.planner import comm
 from tf_multigpu.planner.cost_model import BYTES_PER_VALUE, ModelCost, placement
-from tf_multigpu.planner.device_profile import UPDATE_BYTES_PER_PARAM_BYTE, DeviceProfile
-
+from tf_multigpu.planner.device_profile import (
+    UPDATE_BYTES_PER_PARAM_BYTE,
+    DeviceProfile,
+)
 
 # DTensor's lowered step all-reduces, per example, the split logits' max, the softmax's sum and
 # the label's logit (`logits/BiasAdd/DTensorAllReduceOp` x2, `SoftmaxCrossEntropyWithLogits/

@@ -190,7 +190,7 @@ def to_markdown(name: str, profile: DeviceProfile | None = None) -> str:
                   + (" (the paper's)." if same else "; the paper's: "
                      + " > ".join(r.figure.label for r in published) + ".")]
     if name == "p100_dgx1":
-        lines += ["", f"The same machine at the paper's fixed global batch (256, split over the GPUs): "
+        lines += ["", "The same machine at the paper's fixed global batch (256, split over the GPUs): "
                   + ", ".join(f"{n} GPUs {predicted(cost, profile, Figure('', 'data', n, 1, '', 256, 1, 'x', '')):.2f}x"
                               for n in (2, 4, 8)) + " over one GPU at batch 256."]
     return "\n".join(lines) + "\n"
