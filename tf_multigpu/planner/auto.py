@@ -26,7 +26,9 @@ def resolve_strategy(cfg: Config, devices, source, profile=None) -> tuple[Config
         return cfg, None
     model = build_model(cfg.model, source.image_shape, source.num_classes)
     cost = analyze(model)
-    profile = profile or (measure(devices, model, max(cfg.batch_size // len(devices), 1)) if cfg.profile == "measure" else load(cfg.profile))
+    if profile is None:
+        profile = (measure(devices, model, max(cfg.batch_size // len(devices), 1)) if cfg.profile == "measure"
+                   else load(cfg.profile))
     table = plan_table(cost, profile, len(devices), cfg.batch_size)
     best = table.best
     print(f"--strategy=auto chose {best.label} ({best.flags()}): predicted {best.step_time_s * 1e3:.1f} ms "
