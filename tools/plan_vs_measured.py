@@ -99,7 +99,7 @@ def main(_):
             f"{plans[i].label} vs {plans[j].label} (predicted {predicted[i] * 1e3:.0f} vs {predicted[j] * 1e3:.0f} ms, "
             f"measured {measured[i] * 1e3:.0f} vs {measured[j] * 1e3:.0f} ms)" for i, j in disagree))
     p = profile
-    print(f"\nMeasured profile: {p.flops_per_s / 1e9:.1f} GFLOP/s per device (3x3 conv, fwd+bwd) with all busy, "
+    print(f"\nMeasured profile: {p.flops_per_s / 1e9:.1f} GFLOP/s per device (the model's convs, fwd+bwd) with all busy, "
           f"{p.alone_flops_per_s / 1e9:.1f} alone; momentum update {p.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s "
           f"per device with all busy, {p.single_device_memory_bandwidth_bytes_per_s / 1e9:.2f} alone; "
           f"{p.per_op_overhead_s * 1e6:.1f} us per op; all-reduce {p.link_bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
