@@ -1,6 +1,7 @@
 """The planner: FLOPs and bytes per layer, communication formulas, memory marking, the
 recommendation for AlexNet on the paper's machine, the plan CLI and --strategy=auto."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -183,6 +184,17 @@ def test_measure_profiles_the_logical_devices_in_seconds(devices):
     assert time.perf_counter() - start < 30
     assert p.flops_per_s > 1e8 and p.link_bandwidth_bytes_per_s > 1e7 and 0 < p.link_latency_s < 0.1
     assert p.split_conv_overhead > 0 and p.num_devices == 2
+    # Issue 14: the memory-bound update and the per-op overhead, with all devices busy and alone.
+    assert 0 < p.per_op_overhead_s < 0.01
+    assert p.memory_bandwidth_bytes_per_s > 1e7 and p.single_device_memory_bandwidth_bytes_per_s > 1e7
+    plan = predict_plan(planner.analyze(build_model("small_convnet", (8, 8, 1), 10)), p, 64, "data", 2, 1, "")
+    bare = predict_plan(planner.analyze(build_model("small_convnet", (8, 8, 1), 10)),
+                        dataclasses.replace(p, per_op_overhead_s=0.0, memory_bandwidth_bytes_per_s=0.0),
+                        64, "data", 2, 1, "")
+    update = 5 * 226_570 * 4 / p.memory_bandwidth_bytes_per_s   # momentum: read w, g, v; write v, w
+    assert plan.compute_s - bare.compute_s == pytest.approx(update + p.per_op_overhead_s * planner.predict.op_count(
+        placement(planner.analyze(build_model("small_convnet", (8, 8, 1), 10)), None, {"batch": 2, "model": 1}),
+        "data"))
 
 
 def test_kendall_tau_of_the_comparison_tool():
@@ -252,3 +264,158 @@ def test_strategy_auto_trains_the_top_plan_and_records_prediction_and_measuremen
     assert plan["ranking"][0][0] == plan["label"]
     config = _read_json(run_dir, "config.json")
     assert config["strategy"] == plan["strategy"]                 # the resolved plan, not "auto"
+
+
+# --- Communication algorithms and topologies (planner/comm.py) ---------------------------
+
+def test_each_algorithm_as_transfers_on_each_topology_by_hand():
+    from tf_multigpu.planner import comm
+    size, link, root, lat = 80e6, 10e9, 2e9, 1e-5
+
+    def t(topology, algorithm, n, **extra):
+        p = _profile(topology=topology, link_bandwidth_bytes_per_s=link, host_bandwidth_bytes_per_s=root,
+                     link_latency_s=lat, **extra)
+        return comm.seconds(p, algorithm, "all_reduce", [list(range(n))], size)
+
+    # Own links per device: a ring moves 2(n-1)/n of the tensor; a star's root link carries n-1 copies.
+    assert t("ring", "ring", 4) == pytest.approx(6 * size / 4 / link + 6 * lat)
+    assert t("ring", "one_device", 4) == pytest.approx(2 * 3 * size / link + 2 * lat)
+    # A root complex shared by every copy: the star costs N-1 times per phase, the ring N x 1/N.
+    assert t("host", "one_device", 2) == pytest.approx(2 * size / root + 2 * lat)
+    assert t("host", "one_device", 4) == pytest.approx(2 * 3 * size / root + 2 * lat)
+    assert t("host", "ring", 4) == pytest.approx(6 * size / root + 6 * lat)
+    # Two switches of two: the ring's hops 1->2 and 3->0 both cross the root complex.
+    assert t("pcie_switch", "ring", 4, devices_per_switch=2) == pytest.approx(6 * (2 * size / 4) / root + 6 * lat)
+    # All-to-all NVLink: the star's n-1 copies arrive on n-1 different links.
+    assert t("nvlink", "one_device", 4) == pytest.approx(2 * size / link + 2 * lat)
+    # DGX-1 cube mesh: the 8-GPU ring finds direct links only; hierarchical copy is 4 phases of
+    # one whole copy per link (reduce in each half, across, back, broadcast).
+    assert t("hybrid_cube_mesh", "ring", 8) == pytest.approx(14 * size / 8 / link + 14 * lat)
+    assert t("hybrid_cube_mesh", "hierarchical_copy", 8) == pytest.approx(4 * size / link + 4 * lat)
+    # Two groups at once on a shared root complex take twice as long as one.
+    p = _profile(topology="host", host_bandwidth_bytes_per_s=root, link_latency_s=0.0)
+    assert comm.seconds(p, "ring", "all_gather", [[0, 1], [2, 3]], size) == pytest.approx(
+        2 * comm.seconds(p, "ring", "all_gather", [[0, 1]], size))
+    # Every all-reduce moves 2(n-1)/n per device in total; DTensor's CPU all-gather as much.
+    for algorithm in ("ring", "one_device", "hierarchical_copy", "padded_all_reduce"):
+        assert comm.moved_bytes(algorithm, "all_reduce", 8, size) == pytest.approx(2 * 7 / 8 * size)
+    assert comm.moved_bytes("padded_all_reduce", "all_gather", 4, size) == pytest.approx(2 * 3 / 4 * size)
+    assert comm.moved_bytes("ring", "all_gather", 4, size) == pytest.approx(3 / 4 * size)
+
+
+def test_the_plan_uses_the_runs_all_reduce_else_the_profiles(alexnet_cost):
+    grads = alexnet_cost.param_bytes
+    ring = _profile()
+    star = predict_plan(alexnet_cost, ring, 256, "data", 4, 1, "", Assumptions(all_reduce="one_device"))
+    assert star.algorithm == "one_device"
+    assert star.grad_comm_s == pytest.approx(2 * 3 * grads / 10e9 + 2 * 1e-5)
+    assert predict_plan(alexnet_cost, ring, 256, "data", 4, 1, "").algorithm == "ring"
+    paper = planner.load("yadan2013")
+    assert predict_plan(alexnet_cost, paper, 256, "data", 4, 1, "").algorithm == "one_device"
+    assert predict_plan(alexnet_cost, paper, 256, "data", 4, 1, "", Assumptions(all_reduce="nccl")).algorithm == "ring"
+    with pytest.raises(UsageError, match="topology='mesh' is not one of"):
+        planner.load(str(_write_profile({"topology": "mesh"})))
+
+
+def _write_profile(changes):
+    import tempfile
+    values = {**_read_json(planner.device_profile.PROFILE_DIR, "titan_pcie3.json"), **changes}
+    path = os.path.join(tempfile.mkdtemp(), "bad.json")
+    with open(path, "w") as f:
+        json.dump(values, f)
+    return path
+
+
+# --- The published tables: two calibrations and the held-out predictions, pinned ---------
+
+def test_yadan2013_is_fitted_to_two_figures_and_predicts_the_held_out_three():
+    from tf_multigpu.planner import published
+    shipped = planner.load("yadan2013")
+    fitted = published.fit("yadan2013")
+    assert set(fitted) == {"compute_efficiency", "host_bandwidth_bytes_per_s"}   # the only free constants
+    for name, value in fitted.items():
+        assert getattr(shipped, name) == pytest.approx(value, rel=1e-3)
+    rows = {r.figure.label: r for r in published.reproduce("yadan2013")}
+    assert [r.figure.role for r in rows.values()] == ["fit", "fit", "held out", "held out", "held out"]
+    assert rows["1 GPU"].predicted == pytest.approx(1.8128, abs=2e-3)          # 10.5 days / 500,456 steps
+    assert rows["2 GPUs data parallel"].predicted == pytest.approx(1.5, abs=2e-3)
+    # Held out (BUILD_NOTES, issue 14): pinned, so a cost-model change that moves them fails here.
+    held = {label: round(r.predicted, 2) for label, r in rows.items() if r.figure.role == "held out"}
+    assert held == {"2 GPUs model parallel": 1.47, "4 GPUs data parallel": 1.33,
+                    "4 GPUs hybrid (2 model-parallel pairs)": 1.67}
+    assert abs(rows["2 GPUs model parallel"].error) < 0.2 and abs(rows["4 GPUs data parallel"].error) < 0.2
+    # The known miss: the hybrid is predicted 24% below the paper (BUILD_NOTES says why).
+    assert rows["4 GPUs hybrid (2 model-parallel pairs)"].error == pytest.approx(-0.24, abs=0.01)
+    # The structure the fit figure implies: data parallelism gains less on 4 GPUs than on 2.
+    assert rows["4 GPUs data parallel"].predicted < rows["2 GPUs data parallel"].predicted
+
+
+def test_p100_dgx1_is_fitted_on_one_gpu_and_predicts_weak_scaling_within_20_percent():
+    from tf_multigpu.planner import published
+    shipped = planner.load("p100_dgx1")
+    fitted = published.fit("p100_dgx1")
+    assert set(fitted) == {"compute_efficiency"}
+    assert shipped.compute_efficiency == pytest.approx(fitted["compute_efficiency"], rel=1e-3)
+    rows = published.reproduce("p100_dgx1")
+    assert rows[0].figure.role == "fit" and rows[0].predicted == pytest.approx(2987, rel=1e-3)
+    assert [round(r.predicted, -1) for r in rows[1:]] == [5570, 10780, 21200]
+    assert all(abs(r.error) < 0.2 for r in rows[1:])
+    text = published.to_markdown("p100_dgx1")
+    assert "fixed per-device batch 512" in text and "fixed global batch (256" in text
+
+
+def test_plan_cli_prints_the_papers_table_beside_the_predictions():
+    done = _plan_cli("--model=alexnet", "--dataset=synthetic", "--batch_size=256", "--profile=yadan2013")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| 4 GPUs hybrid (2 model-parallel pairs) | 2.20x | 1.67x | -24.1% | held out |" in done.stdout
+    assert "| 2 GPUs model parallel | 1.60x | 1.47x |" in done.stdout
+    assert "root complex 1.65 GB/s, shared" in done.stdout
+    bad = _plan_cli("--profile=yadan2013", "--all_reduce=ring")
+    assert bad.returncode == USAGE_ERROR and "--all_reduce=ring is not one of" in bad.stderr
+
+
+def test_strategy_auto_takes_a_shipped_profile():
+    from tf_multigpu.config import Config
+    Config(run_dir="r", strategy="auto", profile="yadan2013").validate()
+    with pytest.raises(UsageError, match="--profile applies to --strategy=auto"):
+        Config(run_dir="r", strategy="data", profile="yadan2013").validate()
+    with pytest.raises(UsageError, match="--profile=nope: no such profile"):
+        Config(run_dir="r", strategy="auto", profile="nope").validate()
+
+
+@pytest.mark.slow
+def test_communication_report_measures_the_bytes_the_planner_predicts(tmp_path):
+    """Per algorithm, the bytes the run's own lowered graph moves (the comm report) are the
+    planner's: MirroredStrategy's ring all-reduce on 4 CPUs (data), DTensor's lowering on a
+    1x2 and a 2x2 mesh (the split inputs all-gathered, their gradients all-reduced, not
+    reduce-scattered, and 3 values per example for the softmax over split classes). The
+    report files a hybrid group's (32-row) input gradient under gradients, so kinds are summed;
+    the loss and metric scalars are not modelled."""
+    cost = planner.analyze(build_model("small_convnet", (8, 8, 1), 10))
+    for name, flags, plan in [
+        ("data4", ["--strategy=data", "--cpu_devices=4"], ("data", 4, 1, "")),
+        ("model2", ["--strategy=model", "--cpu_devices=2"], ("model", 1, 2, "filter_split")),
+        ("hybrid4", ["--strategy=hybrid", "--cpu_devices=4", "--mesh=batch:2,model:2"],
+         ("hybrid", 2, 2, "filter_split")),
+    ]:
+        run_dir = str(tmp_path / name)
+        done = run_cli(f"--run_dir={run_dir}", "--batch_size=64", "--steps=4", "--log_every=4", "--profile_steps=3,3",
+                       "--noexport", *flags)
+        assert done.returncode == 0, done.stderr[-3000:]
+        moved = _read_json(run_dir, "comm_report.json")["bytes_per_device"]
+        predicted = predict_plan(cost, _profile(), 64, *plan)
+        measured = sum(moved[kind]["moved_bytes"] for kind in ("gradients", "parameters", "activations"))
+        assert measured == pytest.approx(predicted.grad_comm_bytes + predicted.activation_comm_bytes), name
+        if name == "data4":
+            assert moved["gradients"]["moved_bytes"] == pytest.approx(predicted.grad_comm_bytes)
+
+
+@pytest.mark.slow
+def test_strategy_auto_with_a_shipped_profile_trains_its_plan(tmp_path):
+    run_dir = str(tmp_path / "auto")
+    done = run_cli(f"--run_dir={run_dir}", "--strategy=auto", "--profile=yadan2013", "--cpu_devices=2", "--steps=2",
+                   "--log_every=1", "--noexport")
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = _read_json(run_dir, "summary.json")["plan"]
+    assert plan["profile"]["name"] == "yadan2013" and "(profile yadan2013;" in done.stdout
+    assert plan["ranking"][0][0] == plan["label"] and len(plan["ranking"]) == 5   # single, data, 3 layouts on 2 devices

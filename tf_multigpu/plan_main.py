@@ -3,7 +3,8 @@
 
 Intentionally short: parse flags, build the plain model for the data set's input shape, get
 a device profile (a shipped one by name, a JSON file, or `measure` the devices here), and
-print the planner's ranked table; --out_dir also writes plan.md and plan.json. Bad input
+print the planner's ranked table (and, for a profile fitted to a published table, that table
+beside the predictions); --out_dir also writes plan.md and plan.json. Bad input
 prints one line and exits 2. The flags that describe the workload have the same names and
 meaning as tf-multigpu-train's.
 """
@@ -20,15 +21,18 @@ from tf_multigpu.errors import UsageError
 PROG = "tf-multigpu-plan"
 
 _WORKLOAD = define_workload_flags()   # the data set gives the input shape and classes
-flags.DEFINE_string("profile", "measure", "A shipped device profile (titan_pcie3, k20_pcie3, v100_nvlink, "
-                    "a100_pcie4, h100_nvlink, h200_nvlink), a path to a profile .json, or 'measure' to "
-                    "benchmark the devices of this machine for a few seconds.")
+flags.DEFINE_string("profile", "measure", "A shipped device profile (titan_pcie3, yadan2013, p100_dgx1, k20_pcie3, "
+                    "v100_nvlink, a100_pcie4, h100_nvlink, h200_nvlink), a path to a profile .json, or "
+                    "'measure' to benchmark the devices of this machine for a few seconds. yadan2013 and "
+                    "p100_dgx1 also print their published table beside the planner's predictions.")
+flags.DEFINE_string("all_reduce", "auto", "The gradient reduction a data-parallel run would use, as "
+                    "tf-multigpu-train's --all_reduce (auto: the profile's default algorithm).")
 flags.DEFINE_integer("num_devices", 0, "Devices to plan for (0: the profile's devices, or all found).")
 flags.DEFINE_integer("cpu_devices", 0, "With --profile=measure: measure N logical CPU devices instead of GPUs.")
 flags.DEFINE_float("grad_overlap", 0.0, "Fraction of the gradient all-reduce assumed hidden behind compute.")
 flags.DEFINE_string("out_dir", None, "Also write plan.md and plan.json here.")
 FLAGS = flags.FLAGS
-_OWN_FLAGS = _WORKLOAD + ("profile", "num_devices", "cpu_devices", "grad_overlap", "out_dir")
+_OWN_FLAGS = _WORKLOAD + ("profile", "all_reduce", "num_devices", "cpu_devices", "grad_overlap", "out_dir")
 
 
 def main(argv):
@@ -38,8 +42,10 @@ def main(argv):
         table = _plan()
     except UsageError as e:
         _fail(str(e))
-    from tf_multigpu.planner import to_markdown
+    from tf_multigpu.planner import published, to_markdown
     text = to_markdown(table)
+    if table.profile.name in published.TABLES:
+        text += "\n" + published.to_markdown(table.profile.name, table.profile)
     print(text, flush=True)
     if FLAGS.out_dir:
         try:
@@ -61,6 +67,9 @@ def _plan():
         raise UsageError(f"--grad_overlap={FLAGS.grad_overlap} must be in [0, 1]")
     cli.start_tensorflow()
     from tf_multigpu import planner
+    from tf_multigpu.planner.comm import FLAG_ALGORITHM
+    if FLAGS.all_reduce not in FLAG_ALGORITHM:
+        raise UsageError(f"--all_reduce={FLAGS.all_reduce} is not one of {', '.join(FLAG_ALGORITHM)}")
     profile = None
     if FLAGS.profile != "measure":
         if FLAGS.cpu_devices:
@@ -70,18 +79,20 @@ def _plan():
     from tf_multigpu.models import build_model, get_factory
     get_factory(FLAGS.model)
     source = load_source(FLAGS.dataset, FLAGS.data_dir, FLAGS.image_size)
+    model = build_model(FLAGS.model, source.image_shape, source.num_classes)
     if profile is None:
         from tf_multigpu.parallel import configure_devices
         devices = configure_devices(FLAGS.num_devices, FLAGS.cpu_devices)
-        profile = planner.measure(devices)
+        profile = planner.measure(devices, model, max(FLAGS.batch_size // len(devices), 1))
         num_devices = len(devices)
     else:
         num_devices = FLAGS.num_devices or profile.num_devices
         if not num_devices:
             raise UsageError(f"profile {profile.name} does not say how many devices it has: give --num_devices")
-    cost = planner.analyze(build_model(FLAGS.model, source.image_shape, source.num_classes))
+    cost = planner.analyze(model)
     return planner.plan_table(cost, profile, num_devices, FLAGS.batch_size,
-                              planner.Assumptions(grad_overlap=FLAGS.grad_overlap))
+                              planner.Assumptions(grad_overlap=FLAGS.grad_overlap,
+                                                  all_reduce="" if FLAGS.all_reduce == "auto" else FLAGS.all_reduce))
 
 
 def _fail(message: str, status: int = cli.USAGE_ERROR):

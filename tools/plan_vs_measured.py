@@ -9,7 +9,7 @@ second DTensor mesh in one process can hang, BUILD_NOTES.md) and reads its summa
 `step_time_s` (the warm-up window excluded). Prints, as Markdown: predicted and measured step
 time per plan, their ratio, both rankings, Kendall's tau between them (tau-a, computed here)
 and the pairs of plans the two orders disagree on. Logical CPUs share the machine's cores, and
-other jobs may share the machine: the times are noisy.
+other jobs may share the machine: the times are noisy (the load average is printed).
 """
 
 import json
@@ -75,9 +75,10 @@ def main(argv):
     from tf_multigpu.parallel import configure_devices
 
     devices = configure_devices(0, FLAGS.cpu_devices)
-    profile = planner.measure(devices)
     source = load_source(FLAGS.dataset, None, FLAGS.image_size)
-    cost = planner.analyze(build_model(FLAGS.model, source.image_shape, source.num_classes))
+    model = build_model(FLAGS.model, source.image_shape, source.num_classes)
+    profile = planner.measure(devices, model, max(FLAGS.batch_size // len(devices), 1))
+    cost = planner.analyze(model)
     table = planner.plan_table(cost, profile, len(devices), FLAGS.batch_size)
     plans = [p for p in table.plans if p.fits]
     with tempfile.TemporaryDirectory() as workdir:
@@ -100,9 +101,13 @@ def main(argv):
             f"{plans[i].label} vs {plans[j].label} (predicted {predicted[i] * 1e3:.0f} vs {predicted[j] * 1e3:.0f} ms, "
             f"measured {measured[i] * 1e3:.0f} vs {measured[j] * 1e3:.0f} ms)" for i, j in disagree))
     p = profile
-    print(f"\nMeasured profile: {p.flops_per_s / 1e9:.1f} GFLOP/s per device with all busy, "
-          f"{p.alone_flops_per_s / 1e9:.1f} alone, all-reduce {p.link_bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
-          f"{p.link_latency_s * 1e6:.0f} us per hop, split conv {p.split_conv_overhead:.2f}x tf.nn.conv2d.")
+    print(f"\nMeasured profile: {p.flops_per_s / 1e9:.1f} GFLOP/s per device (the model's convs, fwd+bwd) "
+          "with all busy, "
+          f"{p.alone_flops_per_s / 1e9:.1f} alone; momentum update {p.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s "
+          f"per device with all busy, {p.single_device_memory_bandwidth_bytes_per_s / 1e9:.2f} alone; "
+          f"{p.per_op_overhead_s * 1e6:.1f} us per op; all-reduce {p.link_bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
+          f"{p.link_latency_s * 1e6:.0f} us per hop; split conv {p.split_conv_overhead:.2f}x tf.nn.conv2d. "
+          f"Load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} (2 cores).")
 
 
 def run():

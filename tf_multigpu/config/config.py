@@ -41,6 +41,7 @@ class Config:
     num_devices: int = 0          # 0: all devices found
     cpu_devices: int = 0          # 0: GPUs if any, else 2 logical CPU devices
     all_reduce: str = "auto"
+    profile: str = "measure"      # --strategy=auto: the planner's device profile (a shipped name, a .json, measure)
     mesh: str = ""                # batch:B,model:M; "" = derived from --strategy and the devices
     layout: str = "filter_split"
     layout_rules: str = ""        # REGEX=SPEC;... replaces --layout's built-in rules
@@ -143,6 +144,11 @@ class Config:
             raise UsageError(f"--batchnorm={self.batchnorm} applies to --strategy=data, not {self.strategy} "
                              "(one device "
                              "and a DTensor mesh use the global batch's statistics): drop --batchnorm")
+        if self.profile != Config.profile:
+            if self.strategy != "auto":
+                raise UsageError(f"--profile applies to --strategy=auto, not {self.strategy}: drop --profile")
+            from tf_multigpu.planner.device_profile import load
+            load(self.profile)   # a bad name fails here, with the shipped names in the message
         if self.profile_steps:
             parse_profile_steps(self.profile_steps)
         if self.data_dir is not None and not os.access(self.data_dir, os.R_OK | os.X_OK):

@@ -59,6 +59,9 @@ flags.DEFINE_integer("input_threads", _D.input_threads, "Threads of the input pi
                      "network storage; see README, 'Input throughput'.")
 flags.DEFINE_boolean("skip_bad_images", _D.skip_bad_images, "--dataset=folder:PATH: leave unreadable "
                      "images out (counted in summary.json) instead of stopping with the file's name.")
+flags.DEFINE_string("profile", _D.profile, "--strategy=auto plans with this device profile: a shipped name "
+                    "(tf-multigpu-plan --help lists them), a profile .json, or measure (benchmark this "
+                    "run's devices for a few seconds).")
 flags.DEFINE_integer("steps", _D.steps, "Training steps in all (overrides --epochs). 0: build, export "
                      "the initial model and exit.")
 flags.DEFINE_float("epochs", _D.epochs, "Training epochs, when --steps is not given.")

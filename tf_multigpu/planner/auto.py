@@ -1,6 +1,7 @@
 """`--strategy=auto`: the training loop asks the planner for the fastest plan that fits.
 
-The devices of the run are measured (`device_profile.measure`, a few seconds), the model's
+The devices of the run are measured (`device_profile.measure`, a few seconds) or described by
+a shipped profile (`--profile=NAME`, for a plan of a machine one knows), the model's
 per-layer cost is taken from the plain Keras model, and the top plan of the ranked table
 becomes the run's strategy, mesh and layout. The prediction is returned so that the loop can
 write it next to the measured step time in summary.json: every auto run checks the model.
@@ -13,17 +14,21 @@ import dataclasses
 from tf_multigpu.config import Config
 from tf_multigpu.models import build_model
 from tf_multigpu.planner.cost_model import analyze
-from tf_multigpu.planner.device_profile import measure
+from tf_multigpu.planner.device_profile import load, measure
 from tf_multigpu.planner.predict import plan_table
 
 
 def resolve_strategy(cfg: Config, devices, source, profile=None) -> tuple[Config, dict | None]:
     """(cfg with the top plan's strategy, mesh and layout, the prediction) for --strategy=auto;
-    (cfg, None) for any other strategy. `profile` defaults to a measurement of `devices`."""
+    (cfg, None) for any other strategy. `profile` defaults to --profile: a shipped or JSON
+    profile, or a measurement of `devices`. The plan is for the run's own device count."""
     if cfg.strategy != "auto":
         return cfg, None
-    cost = analyze(build_model(cfg.model, source.image_shape, source.num_classes))
-    profile = profile or measure(devices)
+    model = build_model(cfg.model, source.image_shape, source.num_classes)
+    cost = analyze(model)
+    if profile is None:
+        profile = (measure(devices, model, max(cfg.batch_size // len(devices), 1)) if cfg.profile == "measure"
+                   else load(cfg.profile))
     table = plan_table(cost, profile, len(devices), cfg.batch_size)
     best = table.best
     print(f"--strategy=auto chose {best.label} ({best.flags()}): predicted {best.step_time_s * 1e3:.1f} ms "

@@ -4,11 +4,13 @@ A DeviceProfile comes from a JSON file (`profiles/NAME.json` ships a few well-kn
 each number with its source) or from `measure(devices)`, a micro-benchmark of a few seconds
 on the devices a run will use:
 
-- compute: float32 matmuls on every device at once (the rate each device keeps while all are
-  busy, which is what a parallel step sees), and on the first device alone (logical CPU
-  devices share the same cores, so one device alone runs up to N times faster; on GPUs the
-  two rates are the same). Matmul is the best case of a ConvNet's kernels: the planner's
-  times are lower bounds of compute, and that is stated in its table.
+- compute: the model's convolutions (or a 3x3 one) forward and backward on every device at once (the rate each
+  device keeps while all are busy, which is what a parallel step sees), and on the first
+  device alone (logical CPU devices share the same cores, so one device alone runs up to N
+  times faster; on GPUs the two rates are the same).
+- memory-bound work: a momentum update of 8 MiB on all devices at once and on one alone
+  (every replica updates its own copy of its weights; on shared cores they share the memory
+  bandwidth), and the per-operation overhead of a chain of scalar ops on all devices at once.
 - links: a ring all-reduce among all devices (MirroredStrategy, the same collective data
   parallelism uses) of a large tensor (bandwidth) and of one value (latency); the bandwidth is
   the per-device "bus" bandwidth, bytes = 2(N-1)/N x size over time, so that the cost model's
@@ -26,7 +28,11 @@ import os
 import time
 
 from tf_multigpu.errors import UsageError
+from tf_multigpu.planner import comm
 
+# A momentum update reads the weights, the gradient and the velocity and writes velocity and
+# weights: 5 bytes moved per byte of weights (training/optimizer.py's update).
+UPDATE_BYTES_PER_PARAM_BYTE = 5
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
 
@@ -43,6 +49,16 @@ class DeviceProfile:
     single_device_flops_per_s: float = 0.0   # one device alone (0: same as peak_flops_per_s)
     num_devices: int = 0                 # devices in the machine (0: unknown)
     split_conv_overhead: float = 0.0     # SplitConv2D / tf.nn.conv2d time (0: the planner's default)
+    native_split_conv: bool = False      # split convolutions run as native per-device convs (no im2col)
+    topology: str = "ring"               # how copies share links: planner/comm.py TOPOLOGIES
+    host_bandwidth_bytes_per_s: float = 0.0   # the root complex all host-crossing copies share (0: link's)
+    devices_per_switch: int = 0          # topology pcie_switch: devices behind each PCIe switch
+    all_reduce: str = "ring"             # the gradient reduction the machine's software runs (comm.ALGORITHMS)
+    activation_gather: str = "ring"      # how an all-gather of activations runs (padded_all_reduce: DTensor on CPU)
+    input_grad_reduce: str = "all_reduce"   # backward of a gathered input: all_reduce (DTensor) or reduce_scatter
+    per_op_overhead_s: float = 0.0       # fixed cost of launching one operation (measured profiles)
+    memory_bandwidth_bytes_per_s: float = 0.0   # per device, all busy, for the optimizer update (0: not modelled)
+    single_device_memory_bandwidth_bytes_per_s: float = 0.0   # one device alone (0: as above)
     description: str = ""
     source: dict = dataclasses.field(default_factory=dict)
 
@@ -75,29 +91,138 @@ def load(name_or_path: str) -> DeviceProfile:
         with open(path) as f:
             values = json.load(f)
         known = {f.name for f in dataclasses.fields(DeviceProfile)}
-        return DeviceProfile(**{k: v for k, v in values.items() if k in known})
+        profile = DeviceProfile(**{k: v for k, v in values.items() if k in known})
     except (OSError, ValueError, TypeError) as e:
         raise UsageError(f"--profile={name_or_path} is not a valid profile ({e}): see "
                          f"{os.path.join(PROFILE_DIR, 'titan_pcie3.json')} for the fields") from None
+    for field, allowed in (("topology", comm.TOPOLOGIES), ("all_reduce", comm.ALGORITHMS),
+                           ("activation_gather", comm.ALGORITHMS),
+                           ("input_grad_reduce", ("all_reduce", "reduce_scatter"))):
+        if getattr(profile, field) not in allowed:
+            raise UsageError(f"--profile={name_or_path}: {field}={getattr(profile, field)!r} is not one of "
+                             f"{', '.join(allowed)}: fix the profile")
+    return profile
 
 
-def measure(devices, matmul_size: int = 512, allreduce_mib: int = 16) -> DeviceProfile:
-    """A profile of `devices` (TensorFlow device names) from a few-second micro-benchmark."""
+def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 16) -> DeviceProfile:
+    """A profile of `devices` (TensorFlow device names) from a few-second micro-benchmark.
+
+    With a built Keras `model`, the convolution rate and the split convolution's overhead are
+    timed on the model's own convolutions at `batch` examples per device (give the run's: a
+    CPU's rate depends on it): small feature maps run far below a large layer's rate, and the
+    im2col overhead grows as maps shrink (BUILD_NOTES)."""
     import tensorflow as tf
 
-    flops_all = _matmul_rate(devices, matmul_size)
-    flops_one = _matmul_rate(devices[:1], matmul_size)
+    convs = _model_convs(model) if model is not None else []
+    convs = convs or [((16, 16, 64), (3, 3, 64, 64), 1, "SAME")]
+    flops_all, flops_one = _conv_rate(devices, convs, batch), _conv_rate(devices[:1], convs, batch)
     bandwidth, latency = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib)
-    overhead = _split_conv_overhead(devices[0])
+    overhead = _split_conv_overhead(devices[0], convs, batch)
+    memory_all, memory_one = _update_bandwidth(devices), _update_bandwidth(devices[:1])
     return DeviceProfile(
         name="measured", peak_flops_per_s=flops_all, memory_bytes=_memory_per_device(devices),
         link_bandwidth_bytes_per_s=bandwidth, link_latency_s=latency, compute_efficiency=1.0,
         single_device_flops_per_s=flops_one, num_devices=len(devices), split_conv_overhead=overhead,
+        per_op_overhead_s=_op_overhead(devices), memory_bandwidth_bytes_per_s=memory_all,
+        single_device_memory_bandwidth_bytes_per_s=memory_one,
         description=f"measured on {len(devices)} x {devices[0]}",
-        source={"method": f"float32 {matmul_size}^3 matmuls on all devices at once and on one alone; "
-                          f"MirroredStrategy ring all-reduce of {allreduce_mib} MiB and of 1 value; "
-                          "split_conv2d against tf.nn.conv2d, forward and backward, 3x3 conv 64->64 on 16x16",
+        source={"method": f"{'the model' if model is not None else 'a 3x3 64->64 16x16'}'s convolutions, forward "
+                          "and backward, on all devices at once and on one alone (the FLOP rates), and as split "
+                          "convolutions against tf.nn.conv2d; momentum updates of 8 MiB (memory bandwidth, "
+                          f"all at once and alone); chains of tiny ops (per-op overhead); MirroredStrategy ring "
+                          f"all-reduce of {allreduce_mib} MiB and of 1 value",
                 "tensorflow": tf.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def _concurrent_seconds(devices, make_inputs, body) -> float:
+    """Best time of `body(*inputs)` run on every device of `devices` at once, in one function."""
+    import tensorflow as tf
+
+    inputs = []
+    for d in devices:
+        with tf.device(d):
+            inputs.append(make_inputs())
+
+    @tf.function
+    def run():
+        outs = []
+        for d, args in zip(devices, inputs):
+            with tf.device(d):
+                outs.append(body(*args))
+        return outs
+
+    return _best_time(lambda: [o.numpy() for o in run()])
+
+
+def _model_convs(model) -> list[tuple]:
+    """(input shape, kernel shape, stride, padding) of every Conv2D of a built Keras model."""
+    import keras
+    return [(tuple(layer.input.shape[1:]), tuple(layer.kernel.shape), layer.strides[0], layer.padding.upper())
+            for layer in model.layers if isinstance(layer, keras.layers.Conv2D)]
+
+
+def _conv_flops(convs, batch: int) -> float:
+    """Forward + backward FLOPs (3x the forward's) of `convs` at `batch`."""
+    total = 0.0
+    for (h, w, cin), (kh, kw, _, cout), stride, padding in convs:
+        oh, ow = ((h + stride - 1) // stride, (w + stride - 1) // stride) if padding == "SAME" else \
+            ((h - kh) // stride + 1, (w - kw) // stride + 1)
+        total += 3 * 2.0 * batch * oh * ow * cout * kh * kw * cin
+    return total
+
+
+def _conv_rate(devices, convs, batch: int = 4) -> float:
+    """FLOP/s each device sustains on `convs` forward and backward while all of `devices` run
+    them: on logical CPU devices the cores are shared, so the rate with all busy is what a
+    parallel step sees (and one device alone, what `single` sees)."""
+    import tensorflow as tf
+
+    def make():
+        return tuple((tf.random.normal([batch, *shape]), tf.random.normal(kernel) * 0.05)
+                     for shape, kernel, _, _ in convs)
+
+    def body(*pairs):
+        total = tf.constant(0.0)
+        for (x, w), (_, _, stride, padding) in zip(pairs, convs):
+            with tf.GradientTape() as tape:
+                tape.watch([x, w])
+                y = tf.reduce_sum(tf.nn.conv2d(x, w, stride, padding))
+            dx, dw = tape.gradient(y, [x, w])
+            total += tf.reduce_sum(dx[:1, :1, :1]) + tf.reduce_sum(dw[:1])
+        return total
+
+    return _conv_flops(convs, batch) / _concurrent_seconds(devices, make, body)
+
+
+def _update_bandwidth(devices, mib: int = 8) -> float:
+    """Bytes/s each device moves in a momentum update (read w, g, v; write v, w) while all of
+    `devices` run one: the memory-bound work that every replica repeats on its own weights."""
+    import tensorflow as tf
+
+    n = mib * 2**20 // 4
+
+    def make():
+        return tf.Variable(tf.zeros([n])), tf.Variable(tf.zeros([n])), tf.ones([n])
+
+    def body(w, v, g):
+        v.assign(0.9 * v + g)
+        w.assign_sub(0.01 * v)
+        return w[0]
+
+    return UPDATE_BYTES_PER_PARAM_BYTE * mib * 2**20 / _concurrent_seconds(devices, make, body)
+
+
+def _op_overhead(devices, ops: int = 200) -> float:
+    """Seconds per operation of a chain of dependent scalar ops on every device at once: the
+    fixed cost that dominates small layers (launch, scheduling, the shared cores' switching)."""
+    import tensorflow as tf
+
+    def body(x):
+        for _ in range(ops):
+            x = x * 1.0001 + 1e-4
+        return x
+
+    return _concurrent_seconds(devices, lambda: (tf.constant(1.0),), body) / (2 * ops)
 
 
 def _best_time(fn, repeats: int = 3) -> float:
@@ -108,30 +233,6 @@ def _best_time(fn, repeats: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def _matmul_rate(devices, n: int, chain: int = 8) -> float:
-    """FLOP/s each device sustains on a chain of n x n matmuls while all of `devices` run one."""
-    import tensorflow as tf
-
-    mats = []
-    for d in devices:
-        with tf.device(d):
-            mats.append(tf.random.normal([n, n]) / n ** 0.5)
-
-    @tf.function
-    def run():
-        outs = []
-        for d, x in zip(devices, mats):
-            with tf.device(d):
-                y = x
-                for _ in range(chain):
-                    y = tf.matmul(y, x)
-                outs.append(tf.reduce_sum(y))
-        return outs
-
-    seconds = _best_time(lambda: [o.numpy() for o in run()])
-    return chain * 2.0 * n ** 3 / seconds
 
 
 def _allreduce_rates(devices, mib: int) -> tuple[float, float]:
@@ -164,28 +265,31 @@ def _allreduce_rates(devices, mib: int) -> tuple[float, float]:
     return bandwidth, small / hops
 
 
-def _split_conv_overhead(device: str) -> float:
-    """Time of our filter-split convolution (im2col + einsum) over tf.nn.conv2d's, fwd + bwd."""
+def _split_conv_overhead(device: str, convs, batch: int = 4) -> float:
+    """Time of our filter-split convolution (im2col + einsum) over tf.nn.conv2d's on `convs`,
+    forward and backward."""
     import tensorflow as tf
 
     from tf_multigpu.parallel.split_conv import split_conv2d
 
     with tf.device(device):
-        x = tf.random.normal([16, 16, 16, 64])
-        w = tf.Variable(tf.random.normal([3, 3, 64, 64]) * 0.05)
+        pairs = [(tf.random.normal([batch, *shape]), tf.random.normal(kernel) * 0.05) for shape, kernel, _, _ in convs]
 
     def step(conv):
         @tf.function
         def run():
+            out = []
             with tf.device(device):
-                with tf.GradientTape() as tape:
-                    tape.watch(x)
-                    y = tf.reduce_sum(conv(x, w))
-                return [tf.reduce_sum(g) for g in tape.gradient(y, [x, w])]
+                for (x, w), (_, _, stride, padding) in zip(pairs, convs):
+                    with tf.GradientTape() as tape:
+                        tape.watch([x, w])
+                        y = tf.reduce_sum(conv(x, w, stride, padding))
+                    out += [tf.reduce_sum(g) for g in tape.gradient(y, [x, w])]
+            return out
         return lambda: [t.numpy() for t in run()]
 
-    ours = _best_time(step(lambda x, w: split_conv2d(x, w, 1, "SAME")), repeats=5)
-    stock = _best_time(step(lambda x, w: tf.nn.conv2d(x, w, 1, "SAME")), repeats=5)
+    ours = _best_time(step(split_conv2d), repeats=5)
+    stock = _best_time(step(tf.nn.conv2d), repeats=5)
     return ours / stock
 
 

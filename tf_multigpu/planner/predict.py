@@ -12,16 +12,27 @@ DeviceProfile:
                 split ones and through layers whose rows are split (conv_data_fc_model's
                 convolutions); SplitConv2D's im2col formulation costs `split_conv_overhead` x
                 its einsum FLOPs (measured against tf.nn.conv2d, BUILD_NOTES.md).
-  activations = the all-gathers (forward) and input-gradient all-reduces (backward) of the
-                model-parallel layers, over the model axis. They sit on the critical path:
-                no overlap.
-  gradients   = one ring all-reduce of each device's gradient bytes over the batch axis
-                (data: over all N; layers whose rows are split: over B x M). Exposed
-                fraction 1 - `grad_overlap`; the default overlap
-                is 0 because our step overlaps nothing: Keras all-reduces every gradient in
-                one pack inside `optimizer.apply`, after the backward pass ends.
-  ring collectives: all-reduce 2(n-1)/n x bytes / bandwidth + 2(n-1) x latency; all-gather
-                (n-1)/n x bytes / bandwidth + (n-1) x latency (n devices on the axis).
+                The profile may add a fixed cost per operation (`op_count`) and the
+                optimizer update's memory traffic (5 x the device's weight bytes / the
+                update bandwidth measured with all devices busy; alone for `single`).
+                A profile with `native_split_conv` runs split convolutions at their plain FLOPs.
+  activations = the all-gathers (forward) and input-gradient all-reduces (backward; a
+                reduce-scatter where the profile's implementation sends each device only
+                its shard) of the model-parallel layers, over the model axis, all B groups
+                at once; plus 3 values per example for a softmax over split classes. On the
+                critical path: no overlap.
+  gradients   = the all-reduce of each device's gradient bytes over the batch axis (data:
+                over all N, one packed tensor; layers whose rows are split: over B x M;
+                DTensor: one per tensor), all M groups at once, with the algorithm a run
+                would use (--all_reduce, else the profile's). Exposed fraction 1 -
+                `grad_overlap`; the default overlap is 0 because our step overlaps nothing:
+                Keras all-reduces every gradient in one pack inside `optimizer.apply`,
+                after the backward pass ends.
+  collectives : `comm.py`: each algorithm (ring, star to one device, hierarchical copy,
+                DTensor's padded gather) as phases of transfers, each transfer on the links
+                of the profile's topology; a link carrying k transfers takes k times as long.
+                On the default topology (`ring`: every device its own link) a ring all-reduce
+                costs 2(n-1)/n x bytes / bandwidth + 2(n-1) x latency, an all-gather half.
   step time   = compute + activations + (1 - grad_overlap) x gradients.
   memory      = `parallel/memory.py`'s estimate, the one the run's summary reports:
                 parameters + gradients + momentum slot (this device's shards) + what each
@@ -39,8 +50,17 @@ import dataclasses
 
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES
+from tf_multigpu.planner import comm
 from tf_multigpu.planner.cost_model import BYTES_PER_VALUE, ModelCost, memory_per_device, placement
-from tf_multigpu.planner.device_profile import DeviceProfile
+from tf_multigpu.planner.device_profile import (
+    UPDATE_BYTES_PER_PARAM_BYTE,
+    DeviceProfile,
+)
+
+# DTensor's lowered step all-reduces, per example, the split logits' max, the softmax's sum and
+# the label's logit (`logits/BiasAdd/DTensorAllReduceOp` x2, `SoftmaxCrossEntropyWithLogits/
+# DTensorAllReduceOp` in the comm report), on top of gathering the logits for the accuracy.
+SOFTMAX_EXCHANGE_VALUES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +71,7 @@ class Assumptions:
     split_conv_overhead: float = 1.3   # SplitConv2D time / tf.nn.conv2d time at equal FLOPs, where
                                        # the profile has no measured value (BUILD_NOTES: 1.24-1.5 on CPU)
     memory_fraction: float = 0.9       # usable share of a device's memory (runtime, workspace)
+    all_reduce: str = ""               # --all_reduce of the run (data parallelism; "": the profile's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +94,7 @@ class Plan:
     binding: str = ""
     speedup: float = 0.0
     error: str = ""             # why the plan cannot run (then nothing else is set)
+    algorithm: str = ""         # the gradient reduction's algorithm (planner/comm.py)
 
     @property
     def devices(self) -> int:
@@ -117,12 +139,40 @@ def candidates(num_devices: int) -> list[tuple[str, int, int, str]]:
     return out
 
 
-def _ring(op: str, n: int, nbytes: float, profile: DeviceProfile) -> float:
-    """Seconds of one ring collective of a `nbytes` tensor over `n` devices."""
-    if n < 2 or nbytes <= 0:
-        return 0.0
-    hops = 2 * (n - 1) if op == "all_reduce" else n - 1
-    return hops / n * nbytes / profile.link_bandwidth_bytes_per_s + hops * profile.link_latency_s
+def _groups(b: int, m: int, axis: str) -> list[list[int]]:
+    """Device ids (b * M + m, the mesh's order) of each group along `axis` of a B x M mesh."""
+    if axis == "model":
+        return [[i * m + j for j in range(m)] for i in range(b)]
+    if axis == "batch":
+        return [[i * m + j for i in range(b)] for j in range(m)]
+    return [list(range(b * m))]   # "all": a layer whose rows are split over both axes
+
+
+def gradient_algorithm(profile: DeviceProfile, strategy: str, all_reduce: str = "") -> str:
+    """The algorithm a run's gradient reduction uses: --all_reduce for data parallelism (its
+    flag names, comm.FLAG_ALGORITHM), else the profile's default (what the machine runs)."""
+    if strategy == "data" and comm.FLAG_ALGORITHM.get(all_reduce):
+        return comm.FLAG_ALGORITHM[all_reduce]
+    return profile.all_reduce
+
+
+def _layer_flops(p, layer, profile: DeviceProfile, overhead: float, m: int) -> float:
+    """FLOPs one device runs for one layer per example: the im2col split convolution costs
+    `overhead` x its einsum's FLOPs, unless the machine splits convolutions natively."""
+    if p.split_conv_flops and profile.native_split_conv:
+        return (layer.fwd_flops + layer.bwd_flops) / m
+    return p.fwd_flops + p.bwd_flops + (overhead - 1) * p.split_conv_flops
+
+
+def op_count(layers, strategy: str) -> int:
+    """Operations one device launches per step, for the profile's per-operation overhead:
+    forward, input gradient, weight gradient and update per weighted layer, forward and
+    backward per other layer, and one per collective."""
+    ops = sum(4 if p.grad_bytes else 2 for p in layers)
+    ops += sum(len(p.collectives) for p in layers)
+    if strategy != "data":   # DTensor reduces each gradient tensor on its own; MirroredStrategy packs them
+        ops += sum(1 for p in layers if p.grad_bytes)
+    return ops + (1 if strategy == "data" else 0)
 
 
 def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, strategy: str, b: int, m: int,
@@ -138,22 +188,37 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
         return dataclasses.replace(plan, error=str(e))
     rate = profile.alone_flops_per_s if strategy == "single" else profile.flops_per_s
     overhead = profile.split_conv_overhead or assumptions.split_conv_overhead
-    flops = sum((p.fwd_flops + p.bwd_flops) + (overhead - 1) * p.split_conv_flops
-                for p in layers) * group_batch
-    compute = flops / rate
+    by_name = {layer.name: layer for layer in cost.layers}
+    flops = sum(_layer_flops(p, by_name[p.name], profile, overhead, m) for p in layers) * group_batch
+    compute = flops / rate + profile.per_op_overhead_s * op_count(layers, strategy)
+    memory_rate = (profile.single_device_memory_bandwidth_bytes_per_s if strategy == "single" else 0.0) \
+        or profile.memory_bandwidth_bytes_per_s
+    if memory_rate:   # the optimizer update each device runs on its own weights (shards)
+        compute += UPDATE_BYTES_PER_PARAM_BYTE * sum(p.grad_bytes for p in layers) / memory_rate
     act_s = act_bytes = 0.0
     for p in layers:
+        gathered = any(c.op == "all_gather" for c in p.collectives)
         for c in p.collectives:
             nbytes = c.elems_per_example * group_batch * BYTES_PER_VALUE
-            act_s += _ring(c.op, m, nbytes, profile)
-            act_bytes += nbytes * ((2 * (m - 1) / m) if c.op == "all_reduce" else (m - 1) / m)
+            op, algorithm = c.op, (profile.activation_gather if c.op == "all_gather" else "ring")
+            if op == "all_reduce" and gathered:   # the input was split: each device needs its shard back
+                op = profile.input_grad_reduce
+            act_s += comm.seconds(profile, algorithm, op, _groups(b, m, "model"), nbytes)
+            act_bytes += comm.moved_bytes(algorithm, op, m, nbytes)
+            if c.layer == "loss":   # a softmax over split classes also sums 3 values per example
+                nbytes = SOFTMAX_EXCHANGE_VALUES * group_batch * BYTES_PER_VALUE   # across the shards
+                act_s += comm.seconds(profile, "ring", "all_reduce", _groups(b, m, "model"), nbytes)
+                act_bytes += comm.moved_bytes("ring", "all_reduce", m, nbytes)
     grads = sum(p.grad_bytes for p in layers)
-    groups = [b * (m if p.rows_split else 1) for p in layers]   # devices summing each layer's gradients
+    algorithm = gradient_algorithm(profile, strategy, assumptions.all_reduce)
+    axes = ["all" if p.rows_split else "batch" for p in layers]   # devices summing each layer's gradients
     if strategy == "data":   # MirroredStrategy packs every gradient into one all-reduce
-        grad_s = _ring("all_reduce", b, grads, profile)
+        grad_s = comm.seconds(profile, algorithm, "all_reduce", _groups(b, m, "batch"), grads)
     else:                    # DTensor: one all-reduce per gradient tensor
-        grad_s = sum(_ring("all_reduce", g, p.grad_bytes, profile) for g, p in zip(groups, layers))
-    grad_bytes = sum(2 * (g - 1) / g * p.grad_bytes for g, p in zip(groups, layers))
+        grad_s = sum(comm.seconds(profile, algorithm, "all_reduce", _groups(b, m, axis), p.grad_bytes)
+                     for axis, p in zip(axes, layers))
+    grad_bytes = sum(comm.moved_bytes(algorithm, "all_reduce", b * (m if axis == "all" else 1), p.grad_bytes)
+                     for axis, p in zip(axes, layers))
     step = compute + act_s + (1 - assumptions.grad_overlap) * grad_s
     memory = memory_per_device(cost, layout or None, {"batch": b, "model": m}, global_batch)
     fits = memory["total"] <= assumptions.memory_fraction * profile.memory_bytes
@@ -161,7 +226,7 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
     binding = "memory" if not fits else ("compute" if compute >= exposed else "communication")
     return dataclasses.replace(plan, compute_s=compute, activation_comm_s=act_s, grad_comm_s=grad_s,
                                step_time_s=step, activation_comm_bytes=act_bytes, grad_comm_bytes=grad_bytes,
-                               memory=memory, fits=fits, binding=binding)
+                               memory=memory, fits=fits, binding=binding, algorithm=algorithm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,11 +331,17 @@ def to_markdown(table: PlanTable) -> str:
         (f"Profile {p.name}: {p.flops_per_s / 1e12:.3g} TFLOP/s sustained per device "
          f"({p.peak_flops_per_s / 1e12:.3g} peak x {p.compute_efficiency:g} efficiency; one device alone "
          f"{p.alone_flops_per_s / 1e12:.3g}), {p.memory_bytes / 2**30:.1f} GiB per device, links "
-         f"{p.link_bandwidth_bytes_per_s / 1e9:.3g} GB/s and {p.link_latency_s * 1e6:.3g} us per ring hop. "
-         f"{p.description}"),
+         f"{p.link_bandwidth_bytes_per_s / 1e9:.3g} GB/s"
+         + (f" (root complex {p.host_bandwidth_bytes_per_s / 1e9:.3g} GB/s, shared)"
+            if p.host_bandwidth_bytes_per_s else "")
+         + f" and {p.link_latency_s * 1e6:.3g} us per transfer phase"
+         + (f", {p.per_op_overhead_s * 1e6:.3g} us per operation" if p.per_op_overhead_s else "") + ". "
+         + p.description),
         "",
         (f"Assumptions: step = compute + activation exchange (on the critical path) + "
-         f"{1 - a.grad_overlap:g} x gradient all-reduce (grad_overlap={a.grad_overlap:g}); ring collectives; "
+         f"{1 - a.grad_overlap:g} x gradient all-reduce (grad_overlap={a.grad_overlap:g}); gradients reduced by "
+         f"{gradient_algorithm(p, 'data', a.all_reduce)} (data parallel; {p.all_reduce} otherwise), activations "
+         f"gathered by {p.activation_gather}, on a {p.topology} topology (planner/comm.py); "
          f"FLOPs of convolutions and dense layers (2 per multiply-add) and pooling only; split convolutions "
          f"cost {p.split_conv_overhead or a.split_conv_overhead:.3g}x their FLOPs; a plan fits if parameters + "
          f"gradients + momentum + activations <= {a.memory_fraction:g} x device memory. Speedup is against "
