@@ -66,71 +66,115 @@ def _space_to_depth(x, w, s: int, padding: str):
     return x, w
 
 
-def _patch_index(wp: int, kh: int, kw: int, oh: int, ow: int, flip: bool = False) -> np.ndarray:
-    """Flat spatial indices for im2col of a row-major (hp, wp) image: [oh*ow*kh*kw].
+def _patch_index(wp: int, kh: int, kw: int, rows: int, ow: int, row0: int = 0,
+                 flip: bool = False) -> np.ndarray:
+    """Flat spatial indices for im2col of output rows [row0, row0 + rows) of a row-major
+    (hp, wp) image: [rows*ow*kh*kw].
 
-    Entry (h, w, i, j) -> (h + i) * wp + (w + j); with flip, the taps are reversed
+    Entry (h, w, i, j) -> (row0 + h + i) * wp + (w + j); with flip, the taps are reversed
     (i -> kh-1-i), which is what the input gradient (a correlation with the flipped kernel)
     needs -- tf.reverse has no DTensor layout propagation, so the flip lives in the indices.
     """
-    h = np.arange(oh)[:, None, None, None]
+    h = np.arange(rows)[:, None, None, None]
     w = np.arange(ow)[None, :, None, None]
     i = np.arange(kh)[None, None, :, None]
     j = np.arange(kw)[None, None, None, :]
     if flip:
         i, j = kh - 1 - i, kw - 1 - j
-    return ((h + i) * wp + (w + j)).reshape(-1).astype(np.int32)
+    return ((row0 + h + i) * wp + (w + j)).reshape(-1).astype(np.int32)
 
 
-def _patches(t, kh: int, kw: int, oh: int, ow: int, flip: bool = False):
-    """im2col of t [B,Hp,Wp,C] -> [B, oh, ow, kh*kw, C] with one GatherV2 on the flat
-    spatial axis.  Measured fastest on CPU (one pass, C-contiguous rows) against a concat of
-    kh*kw strided slices (a copy per slice, then the concat) and a one-hot depthwise conv.
-    The channel axis is untouched, so a channel (`model`) sharding of t is kept."""
-    hp, wp, c = t.shape[1], t.shape[2], t.shape[3]
-    flat = tf.reshape(t, [-1, hp * wp, c])
-    g = tf.gather(flat, _patch_index(wp, kh, kw, oh, ow, flip), axis=1)
-    return tf.reshape(g, [-1, oh, ow, kh * kw, c])
+def _row_chunks(n_rows: int, row_bytes: int, budget: int) -> list[tuple[int, int]]:
+    """Splits n_rows output rows into near-equal chunks of at most `budget` bytes of patches
+    (at least one row each)."""
+    per = max(1, min(n_rows, budget // max(row_bytes, 1)))
+    count = -(-n_rows // per)
+    edges = [round(k * n_rows / count) for k in range(count + 1)]
+    return list(zip(edges[:-1], edges[1:]))
 
 
-def _conv_s1(x, w, pads, need_input_grad: bool):
+def _chunked_patches(flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool = False):
+    """Yields (row0, row1, patches [B, rows, ow, kh*kw, C]) of a flattened image
+    flat [B, hp*wp, C], one GatherV2 per chunk of output rows.
+
+    One gather with constant indices was measured fastest on CPU (one pass, C-contiguous rows)
+    against a concat of kh*kw strided slices and a one-hot depthwise conv. The channel and
+    batch axes are untouched, so their shardings are kept; chunks run along output rows, an
+    unsharded dimension (slicing the `batch`-sharded batch would make DTensor relayout).
+    """
+    c = flat.shape[-1]
+    for r0, r1 in chunks:
+        g = tf.gather(flat, _patch_index(wp, kh, kw, r1 - r0, ow, r0, flip), axis=1)
+        yield r0, r1, tf.reshape(g, [-1, r1 - r0, ow, kh * kw, c])
+
+
+# Bytes of patches (global shape, fp32) one chunk may hold. A chunk's patches live only
+# until its matmul has run, so this bounds the convolution's transient memory; 32 MiB keeps
+# each matmul large enough to run at full speed on CPU (tools/split_conv_bench.py).
+CHUNK_BYTES = 32 * 2**20
+
+
+def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int):
     """Stride-1 convolution of x [B,H,W,C] by w [kh,kw,C,O], zero padding pads=((top, bottom),
     (left, right)), with a hand-written gradient.
 
+    What the backward keeps is x and w only: the forward's patches (kh*kw times x, and
+    replicated on every `model` device) are dropped chunk by chunk and rebuilt in the
+    backward, one chunk of output rows at a time, for the weight gradient. Neither pass ever
+    holds more than one chunk of patches.
+
     Autodiff of the forward would all-reduce the patch gradient (kh*kw times the size of x)
-    and then scatter-add it back; the custom gradient contracts (tap, cout) in one einsum, so
-    the only `model` collective is one all-reduce of dx, and the padding is applied inside so
-    that dx (hence the all-reduce) has exactly the size of x, not of the padded x.
+    and then scatter-add it back; the custom gradient contracts (tap, cout) in one einsum per
+    chunk of x's rows, so the `model` all-reduces of dx are one per chunk and add up to
+    exactly the size of x (the padding is applied inside, so dx is not the padded x).
     """
     kh, kw, c, o = w.shape
     h, wd = x.shape[1], x.shape[2]
     (pt, pb), (pl, pr) = pads
-    oh, ow = h + pt + pb - kh + 1, wd + pl + pr - kw + 1
+    hp, wp = h + pt + pb, wd + pl + pr
+    oh, ow = hp - kh + 1, wp - kw + 1
+    batch = x.shape[0] or 1
+    isize = x.dtype.size
+
+    def flat_padded(t):
+        tp = tf.pad(t, [[0, 0], [pt, pb], [pl, pr], [0, 0]]) if pt or pb or pl or pr else t
+        return tf.reshape(tp, [-1, hp * wp, c])
+
+    y_chunks = _row_chunks(oh, batch * ow * kh * kw * c * isize, chunk_bytes)
 
     @tf.custom_gradient
     def conv(x, w):
-        xp = tf.pad(x, [[0, 0], [pt, pb], [pl, pr], [0, 0]]) if pt or pb or pl or pr else x
-        p = tf.reshape(_patches(xp, kh, kw, oh, ow), [-1, oh, ow, kh * kw * c])
-        y = tf.einsum("bhwk,kd->bhwd", p, tf.reshape(w, [kh * kw * c, o]))
+        w3 = tf.reshape(w, [kh * kw, c, o])
+        ys = [tf.einsum("bhwtc,tcd->bhwd", p, w3)
+              for _, _, p in _chunked_patches(flat_padded(x), wp, kh, kw, ow, y_chunks)]
+        y = tf.concat(ys, axis=1) if len(ys) > 1 else ys[0]
 
         def grad(dy):
-            dw = tf.reshape(tf.einsum("bhwk,bhwd->kd", p, dy), [kh, kw, c, o])
+            # dW = sum over chunks of P_chunk^T dy_chunk: AddN of the partial sums, which
+            # DTensor's all-reduce-sum optimisation turns into ONE `batch` all-reduce.
+            parts = [tf.einsum("bhwtc,bhwd->tcd", p, dy[:, r0:r1])
+                     for r0, r1, p in _chunked_patches(flat_padded(x), wp, kh, kw, ow, y_chunks)]
+            dw = tf.reshape(tf.add_n(parts) if len(parts) > 1 else parts[0], [kh, kw, c, o])
             if not need_input_grad:
                 return None, dw
             # dx[b,r,q,:] = sum_{i,j,d} dy[b, r+pt-i, q+pl-j, d] * w[i,j,:,d] (dy = 0 outside):
             # pad dy so that tap (i, j) of output pixel (r, q) sits at (r + kh-1-i, q + kw-1-j),
             # i.e. an im2col of the padded dy with flipped taps, only at x's own pixels.
             dyp = tf.pad(dy, [[0, 0], [kh - 1 - pt, kh - 1 - pb], [kw - 1 - pl, kw - 1 - pr], [0, 0]])
-            q = _patches(dyp, kh, kw, h, wd, flip=True)  # [b,h,w,kh*kw,o], o sharded
-            dx = tf.einsum("bhwkd,kcd->bhwc", q, tf.reshape(w, [kh * kw, c, o]))
-            return dx, dw
+            dwp = wd + kw - 1
+            flat = tf.reshape(dyp, [-1, (h + kh - 1) * dwp, o])
+            w3 = tf.reshape(w, [kh * kw, c, o])
+            x_chunks = _row_chunks(h, batch * wd * kh * kw * o * isize, chunk_bytes)
+            dxs = [tf.einsum("bhwkd,kcd->bhwc", q, w3)   # o sharded: one all-reduce per chunk
+                   for _, _, q in _chunked_patches(flat, dwp, kh, kw, wd, x_chunks, flip=True)]
+            return (tf.concat(dxs, axis=1) if len(dxs) > 1 else dxs[0]), dw
 
         return y, grad
 
     return conv(x, w)
 
 
-def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True):
+def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True, chunk_bytes=CHUNK_BYTES):
     """Exact replacement for tf.nn.conv2d(x, kernel, strides, padding) (NHWC, HWIO, no dilation)
     that DTensor accepts with `kernel` sharded on its output channels.
 
@@ -148,6 +192,7 @@ def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True):
       padding: "SAME" or "VALID" (tf.nn.conv2d semantics).
       need_input_grad: False for a first layer: the backward then skips the input gradient
         (and its all-reduce); the gradient w.r.t. x is None.
+      chunk_bytes: most bytes of patches (global shape) built at once, in either pass.
     """
     s = _stride(strides)
     padding = padding.upper()
@@ -161,7 +206,7 @@ def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True):
         x, kernel = _space_to_depth(x, kernel, s, padding)
     elif padding == "SAME":
         pads = (_same_pads(x.shape[1], kh, 1), _same_pads(x.shape[2], kw, 1))
-    return _conv_s1(x, kernel, pads, need_input_grad)
+    return _conv_s1(x, kernel, pads, need_input_grad, chunk_bytes)
 
 
 def _stride(strides) -> int:
