@@ -4,18 +4,26 @@ DTensor (TF 2.21) refuses `Conv2D` unless the filter is fully replicated and the
 channel dimension is replicated, and its `Conv2DBackpropInput/Filter` expanders only accept
 batch-parallel layouts.  Einsum/MatMul, GatherV2, Pad, Reshape and Transpose on leading
 dimensions do accept a kernel sharded on its last (output-channel) dimension, so this module
-writes the convolution with those ops only:
+writes the convolution with those ops only, one chunk of output rows at a time (rows are
+unsharded; the batch is sharded on `batch`, so slicing it would make DTensor relayout):
 
-    forward   y  = P @ W            P: im2col patches of x, built by ONE tf.gather with
-                                     constant indices (replicated on `model`, sharded on
-                                     `batch`), W: kernel as [kh*kw*cin, cout] (cout sharded)
-    backward  dW = P^T @ dy          cout stays sharded; contraction over the batch gives the
-                                     usual data-parallel all-reduce over `batch` (if B > 1)
-              dx = Q . W3            Q: patches of the padded dy taken with FLIPPED offsets
-                                     (again one gather), [b,h,w,kh*kw,cout], contracted with
-                                     W3 = kernel as [kh*kw, cin, cout] over (tap, cout).
-                                     cout is sharded, so DTensor emits exactly one all-reduce
-                                     over `model`, at the size of x.
+    forward   y  = P @ W            P: im2col patches of a chunk of x's rows, built by ONE
+                                     tf.gather with constant indices (replicated on `model`,
+                                     sharded on `batch`), W: kernel as [kh*kw*cin, cout]
+                                     (cout sharded); the chunks' y are concatenated.
+    backward  dW = sum P^T @ dy     P rebuilt chunk by chunk from x (the only activation the
+                                     backward keeps); cout stays sharded; the partial sums are
+                                     added first, so DTensor emits ONE all-reduce over `batch`.
+              dx = Q . W3            Q: patches of the padded dy taken with FLIPPED offsets,
+                                     for a chunk of x's rows, [b,rows,w,kh*kw,cout], contracted
+                                     with W3 = kernel as [kh*kw, cin, cout] over (tap, cout).
+                                     cout is sharded, so DTensor emits one all-reduce over
+                                     `model` per chunk; together they are the size of x.
+
+No more than one chunk of patches (CHUNK_BYTES) exists at a time, in either pass. The
+previous version kept the whole-batch patch matrix (kh*kw times the input, on every `model`
+device) alive from the forward to the backward, which made filter-split model parallelism
+need more memory than one device.
 
 Strided convolutions are rewritten as stride-1 ones by space-to-depth (reshape/transpose,
 since DTensor has no layout propagation for tf.nn.space_to_depth): an 11x11/4 conv over 3
@@ -93,19 +101,24 @@ def _row_chunks(n_rows: int, row_bytes: int, budget: int) -> list[tuple[int, int
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _chunked_patches(flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool = False):
-    """Yields (row0, row1, patches [B, rows, ow, kh*kw, C]) of a flattened image
-    flat [B, hp*wp, C], one GatherV2 per chunk of output rows.
+def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool = False) -> list:
+    """[fn(row0, row1, patches) for each chunk], patches [B, rows, ow, kh*kw, C] being the
+    im2col of output rows [row0, row1) of a flattened image flat [B, hp*wp, C].
 
-    One gather with constant indices was measured fastest on CPU (one pass, C-contiguous rows)
-    against a concat of kh*kw strided slices and a one-hot depthwise conv. The channel and
-    batch axes are untouched, so their shardings are kept; chunks run along output rows, an
-    unsharded dimension (slicing the `batch`-sharded batch would make DTensor relayout).
+    One GatherV2 with constant indices per chunk: measured fastest on CPU (one pass,
+    C-contiguous rows) against a concat of kh*kw strided slices and a one-hot depthwise conv.
+    The channel and batch axes are untouched, so their shardings are kept; chunks run along
+    output rows, an unsharded dimension (slicing the `batch`-sharded batch would make DTensor
+    relayout). Each chunk's gather waits for the previous chunk's fn: otherwise the graph
+    executor, seeing independent gathers, may run several ahead and hold their patches at once.
     """
     c = flat.shape[-1]
+    out = []
     for r0, r1 in chunks:
-        g = tf.gather(flat, _patch_index(wp, kh, kw, r1 - r0, ow, r0, flip), axis=1)
-        yield r0, r1, tf.reshape(g, [-1, r1 - r0, ow, kh * kw, c])
+        with tf.control_dependencies(out[-1:]):
+            g = tf.gather(flat, _patch_index(wp, kh, kw, r1 - r0, ow, r0, flip), axis=1)
+        out.append(fn(r0, r1, tf.reshape(g, [-1, r1 - r0, ow, kh * kw, c])))
+    return out
 
 
 # Bytes of patches (global shape, fp32) one chunk may hold. A chunk's patches live only
@@ -145,15 +158,15 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int):
     @tf.custom_gradient
     def conv(x, w):
         w3 = tf.reshape(w, [kh * kw, c, o])
-        ys = [tf.einsum("bhwtc,tcd->bhwd", p, w3)
-              for _, _, p in _chunked_patches(flat_padded(x), wp, kh, kw, ow, y_chunks)]
+        ys = _map_chunks(lambda r0, r1, p: tf.einsum("bhwtc,tcd->bhwd", p, w3),
+                         flat_padded(x), wp, kh, kw, ow, y_chunks)
         y = tf.concat(ys, axis=1) if len(ys) > 1 else ys[0]
 
         def grad(dy):
             # dW = sum over chunks of P_chunk^T dy_chunk: AddN of the partial sums, which
             # DTensor's all-reduce-sum optimisation turns into ONE `batch` all-reduce.
-            parts = [tf.einsum("bhwtc,bhwd->tcd", p, dy[:, r0:r1])
-                     for r0, r1, p in _chunked_patches(flat_padded(x), wp, kh, kw, ow, y_chunks)]
+            parts = _map_chunks(lambda r0, r1, p: tf.einsum("bhwtc,bhwd->tcd", p, dy[:, r0:r1]),
+                                flat_padded(x), wp, kh, kw, ow, y_chunks)
             dw = tf.reshape(tf.add_n(parts) if len(parts) > 1 else parts[0], [kh, kw, c, o])
             if not need_input_grad:
                 return None, dw
@@ -165,8 +178,8 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int):
             flat = tf.reshape(dyp, [-1, (h + kh - 1) * dwp, o])
             w3 = tf.reshape(w, [kh * kw, c, o])
             x_chunks = _row_chunks(h, batch * wd * kh * kw * o * isize, chunk_bytes)
-            dxs = [tf.einsum("bhwkd,kcd->bhwc", q, w3)   # o sharded: one all-reduce per chunk
-                   for _, _, q in _chunked_patches(flat, dwp, kh, kw, wd, x_chunks, flip=True)]
+            dxs = _map_chunks(lambda r0, r1, q: tf.einsum("bhwkd,kcd->bhwc", q, w3),  # o sharded: an all-reduce
+                              flat, dwp, kh, kw, wd, x_chunks, flip=True)                  # per chunk
             return (tf.concat(dxs, axis=1) if len(dxs) > 1 else dxs[0]), dw
 
         return y, grad
