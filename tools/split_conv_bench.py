@@ -18,6 +18,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+tf.get_logger().setLevel("ERROR")   # one tf.function per implementation and layer: retracing is expected
+
 from tf_multigpu.models import build_model  # noqa: E402
 from tf_multigpu.parallel.split_conv import CHUNK_BYTES, split_conv2d  # noqa: E402
 
