@@ -34,6 +34,15 @@ def test_a_fresh_process_peak_counts_what_it_allocates():
     assert done.returncode == 0, done.stderr[-2000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     assert 250 * 2**20 <= measured["peak_minus_baseline_bytes"] < 400 * 2**20, measured
+    assert measured["tf_allocator_peak_bytes"] < 2**20, measured   # numpy's memory is not TensorFlow's
+
+
+def test_allocator_peak_counts_tensors(devices):
+    meter = MemoryMeter(devices[:2])
+    with tf.device(devices[1]):
+        t = tf.ones([64 * 2**20 // 4])   # 64 MiB tensor on the second logical device
+        assert meter.measured()["tf_allocator_peak_bytes"] >= 64 * 2**20
+    del t
 
 
 @pytest.mark.slow

@@ -101,7 +101,7 @@ def _row_chunks(n_rows: int, row_bytes: int, budget: int) -> list[tuple[int, int
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool = False) -> list:
+def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool = False, after=None) -> list:
     """[fn(row0, row1, patches) for each chunk], patches [B, rows, ow, kh*kw, C] being the
     im2col of output rows [row0, row1) of a flattened image flat [B, hp*wp, C].
 
@@ -109,16 +109,33 @@ def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool
     C-contiguous rows) against a concat of kh*kw strided slices and a one-hot depthwise conv.
     The channel and batch axes are untouched, so their shardings are kept; chunks run along
     output rows, an unsharded dimension (slicing the `batch`-sharded batch would make DTensor
-    relayout). Each chunk's gather waits for the previous chunk's fn: otherwise the graph
-    executor, seeing independent gathers, may run several ahead and hold their patches at once.
+    relayout).
+
+    Each chunk's gather waits for the previous chunk's result (the first for `after`, if
+    given): otherwise the executor, seeing independent gathers, runs them all as soon as
+    their input exists and holds every chunk's patches at once -- the whole patch matrix
+    again. tf.control_dependencies would say this, but DTensor's SPMD expansion drops control
+    edges (measured: a 1x2 mesh ran every chunk at once), so the wait is a data dependency:
+    the gather's indices add 0 computed from a scalar of the previous result.
     """
     c = flat.shape[-1]
     out = []
     for r0, r1 in chunks:
-        with tf.control_dependencies(out[-1:]):
-            g = tf.gather(flat, _patch_index(wp, kh, kw, r1 - r0, ow, r0, flip), axis=1)
+        index = tf.constant(_patch_index(wp, kh, kw, r1 - r0, ow, r0, flip))
+        prev = out[-1] if out else after
+        if prev is not None:
+            index = index + _zero_from(prev)
+        g = tf.gather(flat, index, axis=1)
         out.append(fn(r0, r1, tf.reshape(g, [-1, r1 - r0, ow, kh * kw, c])))
     return out
+
+
+def _zero_from(t):
+    """An int32 0 that cannot be computed before `t`: a scalar of its first pixel (summed over
+    batch and channels; under DTensor one all-reduce of 4 bytes) compared with +inf, which
+    nothing -- not even NaN -- exceeds. Graph optimisers cannot fold it away."""
+    first = tf.reduce_sum(t[:, :1, :1])
+    return tf.cast(first > float("inf"), tf.int32)
 
 
 # Bytes of patches (global shape, fp32) one chunk may hold. A chunk's patches live only
@@ -166,7 +183,7 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int):
             # dW = sum over chunks of P_chunk^T dy_chunk: AddN of the partial sums, which
             # DTensor's all-reduce-sum optimisation turns into ONE `batch` all-reduce.
             parts = _map_chunks(lambda r0, r1, p: tf.einsum("bhwtc,bhwd->tcd", p, dy[:, r0:r1]),
-                                flat_padded(x), wp, kh, kw, ow, y_chunks)
+                                flat_padded(x), wp, kh, kw, ow, y_chunks, after=dy)  # not during the forward
             dw = tf.reshape(tf.add_n(parts) if len(parts) > 1 else parts[0], [kh, kw, c, o])
             if not need_input_grad:
                 return None, dw

@@ -7,7 +7,9 @@
   all of them, and its resident set when the meter starts (before the model is built) is the
   baseline: TensorFlow's runtime, the data set, Python. `peak_minus_baseline_bytes` is what
   the model, its training step and its devices added -- the figure to hold against the
-  estimate summed over devices.
+  estimate summed over devices. Beside it, the peak of TensorFlow's CPU allocator, which all
+  logical CPU devices share (`get_memory_info("CPU:0")`, reset when the meter starts): the
+  bytes of tensors alone, without the runtime's and malloc's own overhead.
 """
 
 from __future__ import annotations
@@ -42,20 +44,22 @@ class MemoryMeter:
 
     def __init__(self, devices: list[str]):
         self.gpus = [d.split("device:")[-1] for d in devices if "GPU" in d.split("device:")[-1].upper()]
-        for gpu in self.gpus:
-            tf.config.experimental.reset_memory_stats(gpu)
+        for device in self.gpus or ["CPU:0"]:
+            tf.config.experimental.reset_memory_stats(device)
         self.baseline = rss_bytes()
 
     def measured(self) -> dict:
         """GPUs: {"peak_bytes_per_device": {device: bytes}, "max_peak_bytes"}. CPUs: the
-        process's {"peak_rss_bytes", "baseline_rss_bytes", "peak_minus_baseline_bytes"}."""
+        process's {"peak_rss_bytes", "baseline_rss_bytes", "peak_minus_baseline_bytes"} and
+        "tf_allocator_peak_bytes"."""
         if self.gpus:
             peaks = {gpu: int(tf.config.experimental.get_memory_info(gpu)["peak"]) for gpu in self.gpus}
             return {"source": "tf.config.experimental.get_memory_info", "peak_bytes_per_device": peaks,
                     "max_peak_bytes": max(peaks.values())}
         peak = peak_rss_bytes()
         return {"source": "process peak RSS (all logical CPU devices)", "peak_rss_bytes": peak,
-                "baseline_rss_bytes": self.baseline, "peak_minus_baseline_bytes": peak - self.baseline}
+                "baseline_rss_bytes": self.baseline, "peak_minus_baseline_bytes": peak - self.baseline,
+                "tf_allocator_peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
 
     @staticmethod
     def scalars(measured: dict) -> dict:
