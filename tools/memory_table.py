@@ -8,7 +8,8 @@ CPU devices (one per device of the configuration), run one at a time, so that ea
 its own. From its summary.json: the process's peak RSS (`memory_measured`, the measured total
 of all its logical devices), its RSS before the model was built (the baseline: TensorFlow,
 Python, the data), and the run's estimate per device (`memory_per_device_bytes`), summed over
-devices to compare with "peak minus baseline". On GPUs (--cpu_devices=0) the measured figure
+devices to compare with "peak minus baseline"; beside them, the peak of TensorFlow's CPU
+allocator (tensors only: the rest of RSS is the runtime, graphs and malloc). On GPUs (--cpu_devices=0) the measured figure
 is each device's allocator peak and the estimate is compared per device.
 """
 
@@ -75,7 +76,8 @@ def row(label: str, summary: dict) -> dict:
                 "measured_bytes": measured["max_peak_bytes"], "per": "device"}
     return {"config": label, "devices": devices, "estimate_bytes": per_device * devices,
             "peak_bytes": measured["peak_rss_bytes"], "baseline_bytes": measured["baseline_rss_bytes"],
-            "measured_bytes": measured["peak_minus_baseline_bytes"], "per": "process"}
+            "measured_bytes": measured["peak_minus_baseline_bytes"], "per": "process",
+            "tf_allocator_peak_bytes": measured.get("tf_allocator_peak_bytes", 0)}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -85,13 +87,14 @@ def markdown(rows: list[dict]) -> str:
     per = rows[0]["per"] if rows else "process"
     lines = [f"| configuration | peak ({'process RSS' if per == 'process' else 'per device'}) | ratio to single | "
              f"estimate ({'summed over devices' if per == 'process' else 'per device'}) | "
-             f"measured{' minus baseline' if per == 'process' else ''} | estimate / measured |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             f"measured{' minus baseline' if per == 'process' else ''} | estimate / measured | TF allocator peak |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         ratio = f"{r['peak_bytes'] / single:.2f}" if single else "-"
         agree = f"{r['estimate_bytes'] / r['measured_bytes']:.2f}" if r["measured_bytes"] > 0 else "-"
+        allocator = f"{r['tf_allocator_peak_bytes'] / gib:.2f} GiB" if r.get("tf_allocator_peak_bytes") else "-"
         lines.append(f"| {r['config']} | {r['peak_bytes'] / gib:.2f} GiB | {ratio} | {r['estimate_bytes'] / gib:.2f} GiB "
-                     f"| {r['measured_bytes'] / gib:.2f} GiB | {agree} |")
+                     f"| {r['measured_bytes'] / gib:.2f} GiB | {agree} | {allocator} |")
     if per == "process" and rows:
         baselines = ", ".join(f"{r['config']} {r['baseline_bytes'] / gib:.2f} GiB" for r in rows)
         lines.append(f"\nBaseline (process RSS before the model is built): {baselines}.")

@@ -101,7 +101,8 @@ def _row_chunks(n_rows: int, row_bytes: int, budget: int) -> list[tuple[int, int
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool = False, after=None) -> list:
+def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool = False, after=None,
+                wait_for_patches: bool = False) -> list:
     """[fn(row0, row1, patches) for each chunk], patches [B, rows, ow, kh*kw, C] being the
     im2col of output rows [row0, row1) of a flattened image flat [B, hp*wp, C].
 
@@ -117,24 +118,29 @@ def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool
     again. tf.control_dependencies would say this, but DTensor's SPMD expansion drops control
     edges (measured: a 1x2 mesh ran every chunk at once), so the wait is a data dependency:
     the gather's indices add 0 computed from a scalar of the previous result.
+    wait_for_patches: wait for the previous chunk's patches instead (at most two chunks
+    live), for an fn whose result DTensor would otherwise all-reduce at once: the weight
+    gradient's partial sums, which must reach their AddN unreduced to be all-reduced once.
     """
     c = flat.shape[-1]
     out = []
+    prev = after
     for r0, r1 in chunks:
         index = tf.constant(_patch_index(wp, kh, kw, r1 - r0, ow, r0, flip))
-        prev = out[-1] if out else after
         if prev is not None:
             index = index + _zero_from(prev)
-        g = tf.gather(flat, index, axis=1)
-        out.append(fn(r0, r1, tf.reshape(g, [-1, r1 - r0, ow, kh * kw, c])))
+        patches = tf.reshape(tf.gather(flat, index, axis=1), [-1, r1 - r0, ow, kh * kw, c])
+        out.append(fn(r0, r1, patches))
+        prev = patches if wait_for_patches else out[-1]
     return out
 
 
 def _zero_from(t):
-    """An int32 0 that cannot be computed before `t`: a scalar of its first pixel (summed over
-    batch and channels; under DTensor one all-reduce of 4 bytes) compared with +inf, which
-    nothing -- not even NaN -- exceeds. Graph optimisers cannot fold it away."""
-    first = tf.reduce_sum(t[:, :1, :1])
+    """An int32 0 that cannot be computed before `t`: a scalar sum of t (of its first pixel
+    for an image; under DTensor one all-reduce of 4 bytes) compared with +inf, which
+    nothing -- not even NaN -- exceeds. Graph optimisers cannot fold it away. Only unsharded
+    dimensions are sliced: slicing a sharded one makes DTensor gather the whole tensor."""
+    first = tf.reduce_sum(t[:, :1, :1] if t.shape.rank == 4 else t)
     return tf.cast(first > float("inf"), tf.int32)
 
 
@@ -183,7 +189,8 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int):
             # dW = sum over chunks of P_chunk^T dy_chunk: AddN of the partial sums, which
             # DTensor's all-reduce-sum optimisation turns into ONE `batch` all-reduce.
             parts = _map_chunks(lambda r0, r1, p: tf.einsum("bhwtc,bhwd->tcd", p, dy[:, r0:r1]),
-                                flat_padded(x), wp, kh, kw, ow, y_chunks, after=dy)  # not during the forward
+                                flat_padded(x), wp, kh, kw, ow, y_chunks, after=dy,  # not during the forward
+                                wait_for_patches=True)
             dw = tf.reshape(tf.add_n(parts) if len(parts) > 1 else parts[0], [kh, kw, c, o])
             if not need_input_grad:
                 return None, dw
