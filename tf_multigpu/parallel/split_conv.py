@@ -137,10 +137,10 @@ def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool
 
 def _zero_from(t):
     """An int32 0 that cannot be computed before `t`: a scalar sum of t (of its first pixel
-    for an image; under DTensor one all-reduce of 4 bytes) compared with +inf, which
+    for an image or patches; under DTensor one all-reduce of 4 bytes) compared with +inf, which
     nothing -- not even NaN -- exceeds. Graph optimisers cannot fold it away. Only unsharded
     dimensions are sliced: slicing a sharded one makes DTensor gather the whole tensor."""
-    first = tf.reduce_sum(t[:, :1, :1] if t.shape.rank == 4 else t)
+    first = tf.reduce_sum(t[:, :1, :1] if t.shape.rank >= 4 else t)   # [batch, rows, cols, ...]
     return tf.cast(first > float("inf"), tf.int32)
 
 
