@@ -4,18 +4,26 @@ DTensor (TF 2.21) refuses `Conv2D` unless the filter is fully replicated and the
 channel dimension is replicated, and its `Conv2DBackpropInput/Filter` expanders only accept
 batch-parallel layouts.  Einsum/MatMul, GatherV2, Pad, Reshape and Transpose on leading
 dimensions do accept a kernel sharded on its last (output-channel) dimension, so this module
-writes the convolution with those ops only:
+writes the convolution with those ops only, one chunk of output rows at a time (rows are
+unsharded; the batch is sharded on `batch`, so slicing it would make DTensor relayout):
 
-    forward   y  = P @ W            P: im2col patches of x, built by ONE tf.gather with
-                                     constant indices (replicated on `model`, sharded on
-                                     `batch`), W: kernel as [kh*kw*cin, cout] (cout sharded)
-    backward  dW = P^T @ dy          cout stays sharded; contraction over the batch gives the
-                                     usual data-parallel all-reduce over `batch` (if B > 1)
-              dx = Q . W3            Q: patches of the padded dy taken with FLIPPED offsets
-                                     (again one gather), [b,h,w,kh*kw,cout], contracted with
-                                     W3 = kernel as [kh*kw, cin, cout] over (tap, cout).
-                                     cout is sharded, so DTensor emits exactly one all-reduce
-                                     over `model`, at the size of x.
+    forward   y  = P @ W            P: im2col patches of a chunk of x's rows, built by ONE
+                                     tf.gather with constant indices (replicated on `model`,
+                                     sharded on `batch`), W: kernel as [kh*kw*cin, cout]
+                                     (cout sharded); the chunks' y are concatenated.
+    backward  dW = sum P^T @ dy     P rebuilt chunk by chunk from x (the only activation the
+                                     backward keeps); cout stays sharded; the partial sums are
+                                     added first, so DTensor emits ONE all-reduce over `batch`.
+              dx = Q . W3            Q: patches of the padded dy taken with FLIPPED offsets,
+                                     for a chunk of x's rows, [b,rows,w,kh*kw,cout], contracted
+                                     with W3 = kernel as [kh*kw, cin, cout] over (tap, cout).
+                                     cout is sharded, so DTensor emits one all-reduce over
+                                     `model` per chunk; together they are the size of x.
+
+No more than one chunk of patches (CHUNK_BYTES) exists at a time, in either pass. The
+previous version kept the whole-batch patch matrix (kh*kw times the input, on every `model`
+device) alive from the forward to the backward, which made filter-split model parallelism
+need more memory than one device.
 
 Strided convolutions are rewritten as stride-1 ones by space-to-depth (reshape/transpose,
 since DTensor has no layout propagation for tf.nn.space_to_depth): an 11x11/4 conv over 3
@@ -67,71 +75,144 @@ def _space_to_depth(x, w, s: int, padding: str):
     return x, w
 
 
-def _patch_index(wp: int, kh: int, kw: int, oh: int, ow: int, flip: bool = False) -> np.ndarray:
-    """Flat spatial indices for im2col of a row-major (hp, wp) image: [oh*ow*kh*kw].
+def _patch_index(wp: int, kh: int, kw: int, rows: int, ow: int, row0: int = 0,
+                 flip: bool = False) -> np.ndarray:
+    """Flat spatial indices for im2col of output rows [row0, row0 + rows) of a row-major
+    (hp, wp) image: [rows*ow*kh*kw].
 
-    Entry (h, w, i, j) -> (h + i) * wp + (w + j); with flip, the taps are reversed
+    Entry (h, w, i, j) -> (row0 + h + i) * wp + (w + j); with flip, the taps are reversed
     (i -> kh-1-i), which is what the input gradient (a correlation with the flipped kernel)
     needs -- tf.reverse has no DTensor layout propagation, so the flip lives in the indices.
     """
-    h = np.arange(oh)[:, None, None, None]
+    h = np.arange(rows)[:, None, None, None]
     w = np.arange(ow)[None, :, None, None]
     i = np.arange(kh)[None, None, :, None]
     j = np.arange(kw)[None, None, None, :]
     if flip:
         i, j = kh - 1 - i, kw - 1 - j
-    return ((h + i) * wp + (w + j)).reshape(-1).astype(np.int32)
+    return ((row0 + h + i) * wp + (w + j)).reshape(-1).astype(np.int32)
 
 
-def _patches(t, kh: int, kw: int, oh: int, ow: int, flip: bool = False):
-    """im2col of t [B,Hp,Wp,C] -> [B, oh, ow, kh*kw, C] with one GatherV2 on the flat
-    spatial axis.  Measured fastest on CPU (one pass, C-contiguous rows) against a concat of
-    kh*kw strided slices (a copy per slice, then the concat) and a one-hot depthwise conv.
-    The channel axis is untouched, so a channel (`model`) sharding of t is kept."""
-    hp, wp, c = t.shape[1], t.shape[2], t.shape[3]
-    flat = tf.reshape(t, [-1, hp * wp, c])
-    g = tf.gather(flat, _patch_index(wp, kh, kw, oh, ow, flip), axis=1)
-    return tf.reshape(g, [-1, oh, ow, kh * kw, c])
+def _row_chunks(n_rows: int, row_bytes: int, budget: int) -> list[tuple[int, int]]:
+    """Splits n_rows output rows into near-equal chunks of at most `budget` bytes of patches
+    (at least one row each)."""
+    per = max(1, min(n_rows, budget // max(row_bytes, 1)))
+    count = -(-n_rows // per)
+    edges = [round(k * n_rows / count) for k in range(count + 1)]
+    return list(zip(edges[:-1], edges[1:]))
 
 
-def _conv_s1(x, w, pads, need_input_grad: bool):
+def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool = False, after=None,
+                wait_for_patches: bool = False) -> list:
+    """[fn(row0, row1, patches) for each chunk], patches [B, rows, ow, kh*kw, C] being the
+    im2col of output rows [row0, row1) of a flattened image flat [B, hp*wp, C].
+
+    One GatherV2 with constant indices per chunk: measured fastest on CPU (one pass,
+    C-contiguous rows) against a concat of kh*kw strided slices and a one-hot depthwise conv.
+    The channel and batch axes are untouched, so their shardings are kept; chunks run along
+    output rows, an unsharded dimension (slicing the `batch`-sharded batch would make DTensor
+    relayout).
+
+    Each chunk's gather waits for the previous chunk's result (the first for `after`, if
+    given): otherwise the executor, seeing independent gathers, runs them all as soon as
+    their input exists and holds every chunk's patches at once -- the whole patch matrix
+    again. tf.control_dependencies would say this, but DTensor's SPMD expansion drops control
+    edges (measured: a 1x2 mesh ran every chunk at once), so the wait is a data dependency:
+    the gather's indices add 0 computed from a scalar of the previous result.
+    wait_for_patches: wait for the previous chunk's patches instead (at most two chunks
+    live), for an fn whose result DTensor would otherwise all-reduce at once: the weight
+    gradient's partial sums, which must reach their AddN unreduced to be all-reduced once.
+    """
+    c = flat.shape[-1]
+    out = []
+    prev = after
+    for r0, r1 in chunks:
+        index = tf.constant(_patch_index(wp, kh, kw, r1 - r0, ow, r0, flip))
+        if prev is not None:
+            index = index + _zero_from(prev)
+        patches = tf.reshape(tf.gather(flat, index, axis=1), [-1, r1 - r0, ow, kh * kw, c])
+        out.append(fn(r0, r1, patches))
+        prev = patches if wait_for_patches else out[-1]
+    return out
+
+
+def _zero_from(t):
+    """An int32 0 that cannot be computed before `t`: a scalar sum of t (of its first pixel
+    for an image or patches; under DTensor one all-reduce of 4 bytes) compared with +inf, which
+    nothing -- not even NaN -- exceeds. Graph optimisers cannot fold it away. Only unsharded
+    dimensions are sliced: slicing a sharded one makes DTensor gather the whole tensor."""
+    first = tf.reduce_sum(t[:, :1, :1] if t.shape.rank >= 4 else t)   # [batch, rows, cols, ...]
+    return tf.cast(first > float("inf"), tf.int32)
+
+
+# Bytes of patches (global shape, fp32) one chunk may hold. A chunk's patches live only
+# until its matmul has run, so this bounds the convolution's transient memory; 32 MiB keeps
+# each matmul large enough to run at full speed on CPU (tools/split_conv_bench.py).
+CHUNK_BYTES = 32 * 2**20
+
+
+def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int):
     """Stride-1 convolution of x [B,H,W,C] by w [kh,kw,C,O], zero padding pads=((top, bottom),
     (left, right)), with a hand-written gradient.
 
+    What the backward keeps is x and w only: the forward's patches (kh*kw times x, and
+    replicated on every `model` device) are dropped chunk by chunk and rebuilt in the
+    backward, one chunk of output rows at a time, for the weight gradient. Neither pass ever
+    holds more than one chunk of patches.
+
     Autodiff of the forward would all-reduce the patch gradient (kh*kw times the size of x)
-    and then scatter-add it back; the custom gradient contracts (tap, cout) in one einsum, so
-    the only `model` collective is one all-reduce of dx, and the padding is applied inside so
-    that dx (hence the all-reduce) has exactly the size of x, not of the padded x.
+    and then scatter-add it back; the custom gradient contracts (tap, cout) in one einsum per
+    chunk of x's rows, so the `model` all-reduces of dx are one per chunk and add up to
+    exactly the size of x (the padding is applied inside, so dx is not the padded x).
     """
     kh, kw, c, o = w.shape
     h, wd = x.shape[1], x.shape[2]
     (pt, pb), (pl, pr) = pads
-    oh, ow = h + pt + pb - kh + 1, wd + pl + pr - kw + 1
+    hp, wp = h + pt + pb, wd + pl + pr
+    oh, ow = hp - kh + 1, wp - kw + 1
+    batch = x.shape[0] or 1
+    isize = x.dtype.size
+
+    def flat_padded(t):
+        tp = tf.pad(t, [[0, 0], [pt, pb], [pl, pr], [0, 0]]) if pt or pb or pl or pr else t
+        return tf.reshape(tp, [-1, hp * wp, c])
+
+    y_chunks = _row_chunks(oh, batch * ow * kh * kw * c * isize, chunk_bytes)
 
     @tf.custom_gradient
     def conv(x, w):
-        xp = tf.pad(x, [[0, 0], [pt, pb], [pl, pr], [0, 0]]) if pt or pb or pl or pr else x
-        p = tf.reshape(_patches(xp, kh, kw, oh, ow), [-1, oh, ow, kh * kw * c])
-        y = tf.einsum("bhwk,kd->bhwd", p, tf.reshape(w, [kh * kw * c, o]))
+        w3 = tf.reshape(w, [kh * kw, c, o])
+        ys = _map_chunks(lambda r0, r1, p: tf.einsum("bhwtc,tcd->bhwd", p, w3),
+                         flat_padded(x), wp, kh, kw, ow, y_chunks)
+        y = tf.concat(ys, axis=1) if len(ys) > 1 else ys[0]
 
         def grad(dy):
-            dw = tf.reshape(tf.einsum("bhwk,bhwd->kd", p, dy), [kh, kw, c, o])
+            # dW = sum over chunks of P_chunk^T dy_chunk: AddN of the partial sums, which
+            # DTensor's all-reduce-sum optimisation turns into ONE `batch` all-reduce.
+            parts = _map_chunks(lambda r0, r1, p: tf.einsum("bhwtc,bhwd->tcd", p, dy[:, r0:r1]),
+                                flat_padded(x), wp, kh, kw, ow, y_chunks, after=dy,  # not during the forward
+                                wait_for_patches=True)
+            dw = tf.reshape(tf.add_n(parts) if len(parts) > 1 else parts[0], [kh, kw, c, o])
             if not need_input_grad:
                 return None, dw
             # dx[b,r,q,:] = sum_{i,j,d} dy[b, r+pt-i, q+pl-j, d] * w[i,j,:,d] (dy = 0 outside):
             # pad dy so that tap (i, j) of output pixel (r, q) sits at (r + kh-1-i, q + kw-1-j),
             # i.e. an im2col of the padded dy with flipped taps, only at x's own pixels.
             dyp = tf.pad(dy, [[0, 0], [kh - 1 - pt, kh - 1 - pb], [kw - 1 - pl, kw - 1 - pr], [0, 0]])
-            q = _patches(dyp, kh, kw, h, wd, flip=True)  # [b,h,w,kh*kw,o], o sharded
-            dx = tf.einsum("bhwkd,kcd->bhwc", q, tf.reshape(w, [kh * kw, c, o]))
-            return dx, dw
+            dwp = wd + kw - 1
+            flat = tf.reshape(dyp, [-1, (h + kh - 1) * dwp, o])
+            w3 = tf.reshape(w, [kh * kw, c, o])
+            x_chunks = _row_chunks(h, batch * wd * kh * kw * o * isize, chunk_bytes)
+            dxs = _map_chunks(lambda r0, r1, q: tf.einsum("bhwkd,kcd->bhwc", q, w3),  # o sharded: an all-reduce
+                              flat, dwp, kh, kw, wd, x_chunks, flip=True)                  # per chunk
+            return (tf.concat(dxs, axis=1) if len(dxs) > 1 else dxs[0]), dw
 
         return y, grad
 
     return conv(x, w)
 
 
-def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True):
+def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True, chunk_bytes=CHUNK_BYTES):
     """Exact replacement for tf.nn.conv2d(x, kernel, strides, padding) (NHWC, HWIO, no dilation)
     that DTensor accepts with `kernel` sharded on its output channels.
 
@@ -149,6 +230,7 @@ def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True):
       padding: "SAME" or "VALID" (tf.nn.conv2d semantics).
       need_input_grad: False for a first layer: the backward then skips the input gradient
         (and its all-reduce); the gradient w.r.t. x is None.
+      chunk_bytes: most bytes of patches (global shape) built at once, in either pass.
     """
     s = _stride(strides)
     padding = padding.upper()
@@ -162,7 +244,7 @@ def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True):
         x, kernel = _space_to_depth(x, kernel, s, padding)
     elif padding == "SAME":
         pads = (_same_pads(x.shape[1], kh, 1), _same_pads(x.shape[2], kw, 1))
-    return _conv_s1(x, kernel, pads, need_input_grad)
+    return _conv_s1(x, kernel, pads, need_input_grad, chunk_bytes)
 
 
 def _stride(strides) -> int:

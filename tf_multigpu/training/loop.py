@@ -27,6 +27,7 @@ from tf_multigpu.parallel.base import host_scalars
 from tf_multigpu.parallel.memory import bytes_per_device
 from tf_multigpu.parallel.stateless_dropout import use_step
 from tf_multigpu.planner.auto import resolve_strategy, with_measurement
+from tf_multigpu.profiling.memory_measured import MemoryMeter
 from tf_multigpu.profiling.step_profiler import StepProfiler
 from tf_multigpu.training import run_dir
 from tf_multigpu.training.optimizer import MomentumSGD, learning_rate_schedule
@@ -55,6 +56,7 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     paths = run_dir.check_previous_run(cfg)
     total_steps = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * per_epoch)
 
+    meter = MemoryMeter(par.devices)   # before the model: the baseline its measurement starts from
     model, optimizer = build_model_and_optimizer(cfg, par, source, total_steps)
     # Dropout masks are a function of the step (parallel/stateless_dropout.py), which the
     # optimizer's iteration count restores. model.variables may still hold other layers' RNG
@@ -150,6 +152,8 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
         stop.uninstall()
     if not test_metrics:   # --steps=0, or resumed at the end: still report the model's accuracy
         test_metrics = evaluate()
+    memory_measured = meter.measured()
+    _write_scalars(writer, "memory_measured", step, MemoryMeter.scalars(memory_measured))
     writer.flush()
 
     # Every worker builds the copy (gathering split weights is collective); the chief exports.
@@ -165,7 +169,8 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
         "model": cfg.model, "dataset": source.name, "global_batch": cfg.batch_size,
         **{k: train_metrics.get(k) for k in ("loss", "accuracy")}, **steady.summary(),
         **test_metrics, "wall_time_s": time.perf_counter() - started, "export_dir": export_dir,
-        "memory_per_device_bytes": memory, "skipped_images": len(source.skipped),
+        "memory_per_device_bytes": memory, "memory_measured": memory_measured,
+        "skipped_images": len(source.skipped),
     }
     if profiler and profiler.report:
         summary["communication"] = {"mean": profiler.report["mean"], "report": paths.comm_report + ".md",

@@ -1,0 +1,97 @@
+"""Memory measured (RQ5): the process's peak RSS and its baseline reach summary.json, and
+tools/memory_table.py turns fresh runs into the estimate-against-measured table."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from tests.conftest import REPO, run_cli
+from tf_multigpu.profiling.memory_measured import MemoryMeter, peak_rss_bytes, rss_bytes
+
+
+def test_meter_on_cpus_reports_the_process(devices):
+    measured = MemoryMeter(devices[:2]).measured()
+    assert measured["baseline_rss_bytes"] > 0 and measured["peak_rss_bytes"] >= measured["baseline_rss_bytes"]
+    assert measured["peak_minus_baseline_bytes"] == measured["peak_rss_bytes"] - measured["baseline_rss_bytes"]
+    assert 0 < rss_bytes() <= peak_rss_bytes()
+
+
+@pytest.mark.slow
+def test_a_fresh_process_peak_counts_what_it_allocates():
+    """In a fresh process (no earlier peak to hide it), 256 MiB allocated after the meter
+    starts shows in peak minus baseline."""
+    code = ("import numpy as np, json\n"
+            "from tf_multigpu.profiling.memory_measured import MemoryMeter\n"
+            "m = MemoryMeter(['/device:CPU:0'])\n"
+            "b = np.ones(256 * 2**20 // 8)\n"
+            "print(json.dumps(m.measured()))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 250 * 2**20 <= measured["peak_minus_baseline_bytes"] < 400 * 2**20, measured
+    assert measured["tf_allocator_peak_bytes"] < 2**20, measured   # numpy's memory is not TensorFlow's
+
+
+def test_allocator_peak_counts_tensors(devices):
+    meter = MemoryMeter(devices[:2])
+    with tf.device(devices[1]):
+        t = tf.ones([64 * 2**20 // 4])   # 64 MiB tensor on the second logical device
+        assert meter.measured()["tf_allocator_peak_bytes"] >= 64 * 2**20
+    del t
+
+
+@pytest.mark.slow
+def test_summary_reports_the_measured_peak_beside_the_estimate(tmp_path):
+    done = run_cli(f"--run_dir={tmp_path / 'run'}", "--cpu_devices=2", "--strategy=model", "--batch_size=32",
+                   "--steps=1", "--noexport")
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    measured = summary["memory_measured"]
+    assert measured["peak_rss_bytes"] > measured["baseline_rss_bytes"] > 0
+    assert summary["memory_per_device_bytes"]["total"] > 0
+    tags = {v.tag for root, _, files in os.walk(tmp_path / "run") for f in files if "tfevents" in f
+            for event in tf.compat.v1.train.summary_iterator(os.path.join(root, f)) for v in event.summary.value}
+    assert {"memory_measured/peak_rss_bytes", "memory_per_device/total_bytes"} <= tags, sorted(tags)
+
+
+def test_table_rows_and_markdown():
+    sys.path.insert(0, REPO)
+    from tools.memory_table import markdown, row
+    summaries = {
+        "single": {"devices": ["cpu0"], "memory_per_device_bytes": {"total": 2**30},
+                   "memory_measured": {"peak_rss_bytes": 3 * 2**30, "baseline_rss_bytes": 2**30,
+                                       "peak_minus_baseline_bytes": 2 * 2**30}},
+        "model 1x2 filter_split": {"devices": ["cpu0", "cpu1"], "memory_per_device_bytes": {"total": 2**30},
+                                   "memory_measured": {"peak_rss_bytes": 6 * 2**30, "baseline_rss_bytes": 2**30,
+                                                       "peak_minus_baseline_bytes": 5 * 2**30}},
+    }
+    rows = [row(label, s) for label, s in summaries.items()]
+    assert rows[1]["estimate_bytes"] == 2 * 2**30   # per device x devices on CPU
+    table = markdown(rows)
+    assert "| single | 3.00 GiB | 1.00 | 1.00 GiB | 2.00 GiB | 0.50 | - |" in table
+    assert "| model 1x2 filter_split | 6.00 GiB | 2.00 | 2.00 GiB | 5.00 GiB | 0.40 | - |" in table
+
+
+@pytest.mark.slow
+def test_memory_table_tool_runs_fresh_processes(tmp_path):
+    out = tmp_path / "table.md"
+    done = subprocess.run([sys.executable, "-m", "tools.memory_table", "--model=small_convnet", "--dataset=digits",
+                           "--batch_size=32", "--steps=1", "--configs=single,model_1x2_filter_split", f"--out={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "table.json").read_text())
+    assert [r["config"] for r in rows] == ["single", "model 1x2 filter_split"]
+    assert rows[1]["devices"] == 2 and all(r["peak_bytes"] > r["baseline_bytes"] > 0 for r in rows)
+    assert "| model 1x2 filter_split |" in out.read_text() and "| model 1x2 filter_split |" in done.stdout
+
+
+def test_memory_table_names_an_unknown_config():
+    done = subprocess.run([sys.executable, "-m", "tools.memory_table", "--configs=single,model_9x9"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode != 0
+    assert "--configs: unknown model_9x9" in done.stderr

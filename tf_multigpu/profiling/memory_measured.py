@@ -1,0 +1,70 @@
+"""Memory the runtime measured, to report beside the estimate (parallel/memory.py).
+
+- GPUs: TensorFlow's allocator tracks each device's peak (`get_memory_info`); we reset it
+  when the meter starts, so the peak is the run's.
+- CPUs: logical CPU devices share one allocator and the host's RAM, so there is no figure
+  per device. The process's peak resident set (getrusage ru_maxrss) is the measured total of
+  all of them, and its resident set when the meter starts (before the model is built) is the
+  baseline: TensorFlow's runtime, the data set, Python. `peak_minus_baseline_bytes` is what
+  the model, its training step and its devices added -- the figure to hold against the
+  estimate summed over devices. Beside it, the peak of TensorFlow's CPU allocator, which all
+  logical CPU devices share (`get_memory_info("CPU:0")`, reset when the meter starts): the
+  bytes of tensors alone, without the runtime's and malloc's own overhead.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+import tensorflow as tf
+
+
+def rss_bytes() -> int:
+    """The process's current resident set size (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size since it started.
+
+    Linux updates the high-water mark behind ru_maxrss lazily, so it can lag the current RSS
+    by a few pages; the larger of the two is the peak."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return max(peak if sys.platform == "darwin" else peak * 1024, rss_bytes())   # Linux: KiB, macOS: bytes
+
+
+class MemoryMeter:
+    """Start it before the model is built; `measured()` after training gives the peaks."""
+
+    def __init__(self, devices: list[str]):
+        self.gpus = [d.split("device:")[-1] for d in devices if "GPU" in d.split("device:")[-1].upper()]
+        for device in self.gpus or ["CPU:0"]:
+            tf.config.experimental.reset_memory_stats(device)
+        self.baseline = rss_bytes()
+
+    def measured(self) -> dict:
+        """GPUs: {"peak_bytes_per_device": {device: bytes}, "max_peak_bytes"}. CPUs: the
+        process's {"peak_rss_bytes", "baseline_rss_bytes", "peak_minus_baseline_bytes"} and
+        "tf_allocator_peak_bytes"."""
+        if self.gpus:
+            peaks = {gpu: int(tf.config.experimental.get_memory_info(gpu)["peak"]) for gpu in self.gpus}
+            return {"source": "tf.config.experimental.get_memory_info", "peak_bytes_per_device": peaks,
+                    "max_peak_bytes": max(peaks.values())}
+        peak = peak_rss_bytes()
+        return {"source": "process peak RSS (all logical CPU devices)", "peak_rss_bytes": peak,
+                "baseline_rss_bytes": self.baseline, "peak_minus_baseline_bytes": peak - self.baseline,
+                "tf_allocator_peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
+
+    @staticmethod
+    def scalars(measured: dict) -> dict:
+        """The numeric entries of `measured()`, flat, for TensorBoard."""
+        flat = {k: v for k, v in measured.items() if isinstance(v, int)}
+        per_device = measured.get("peak_bytes_per_device", {})
+        flat.update({f"{d.replace(':', '_')}_peak_bytes": v for d, v in per_device.items()})
+        return flat

@@ -1,0 +1,138 @@
+"""RQ5's memory table: what every strategy really uses, against what the run estimates.
+
+    python -m tools.memory_table --model=alexnet --dataset=synthetic \
+        --image_size=224 --batch_size=64 --steps=3 --out=results/memory_table.md
+
+Each configuration is a fresh `python -m tf_multigpu.train ... --noexport` process on logical
+CPU devices (one per device of the configuration), run one at a time, so that each peak is
+its own. From its summary.json: the process's peak RSS (`memory_measured`, the measured total
+of all its logical devices), its RSS before the model was built (the baseline: TensorFlow,
+Python, the data), and the run's estimate per device (`memory_per_device_bytes`), summed over
+devices to compare with "peak minus baseline"; beside them, the peak of TensorFlow's CPU
+allocator (tensors only: the rest of RSS is the runtime, graphs and malloc). On GPUs (--gpus)
+the measured figure is each device's allocator peak and the estimate is compared per device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl import flags
+
+from tf_multigpu import cli
+from tf_multigpu.config.workload_flags import define_workload_flags
+
+PROG = "memory_table"
+
+# (label, strategy, devices, mesh, layout): the configurations of the issue's table.
+CONFIGS = (
+    ("single", "single", 1, "", ""),
+    ("data x2", "data", 2, "", ""),
+    ("model 1x2 filter_split", "model", 2, "batch:1,model:2", "filter_split"),
+    ("model 1x2 conv_data_fc_model", "model", 2, "batch:1,model:2", "conv_data_fc_model"),
+    ("data x4", "data", 4, "", ""),
+    ("model 1x4 filter_split", "model", 4, "batch:1,model:4", "filter_split"),
+    ("hybrid 2x2 filter_split", "hybrid", 4, "batch:2,model:2", "filter_split"),
+)
+KEYS = {label.replace(" ", "_"): label for label, *_ in CONFIGS}
+
+_WORKLOAD = define_workload_flags(("model", "dataset", "image_size", "batch_size"), model="alexnet",
+                                  dataset="synthetic")
+flags.DEFINE_integer("steps", 3, "Training steps per run.")
+flags.DEFINE_list("configs", list(KEYS), f"Configurations to run, of: {', '.join(KEYS)}.")
+flags.DEFINE_boolean("gpus", False, "Run on the machine's GPUs instead of logical CPU devices.")
+flags.DEFINE_string("out", "", "Also write the markdown table (and a .json beside it) here.")
+flags.DEFINE_integer("timeout", 1800, "Seconds per run.")
+FLAGS = flags.FLAGS
+
+
+def run_one(strategy: str, devices: int, mesh: str, layout: str) -> dict:
+    """One fresh training process; returns its summary.json (printed as its last line)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        command = [sys.executable, "-m", "tf_multigpu.train", f"--run_dir={run_dir}", "--noexport",
+                   f"--strategy={strategy}", f"--model={FLAGS.model}", f"--dataset={FLAGS.dataset}",
+                   f"--image_size={FLAGS.image_size}", f"--batch_size={FLAGS.batch_size}",
+                   f"--steps={FLAGS.steps}", f"--num_devices={devices}"]
+        if not FLAGS.gpus:
+            command.append(f"--cpu_devices={devices}")
+        if mesh:
+            command += [f"--mesh={mesh}", f"--layout={layout}"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=FLAGS.timeout)
+    if done.returncode != 0:
+        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
+        cli.fail(PROG, f"{' '.join(command[1:])} failed: {last}", 1)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def row(label: str, summary: dict) -> dict:
+    """The table's figures for one run's summary."""
+    devices = len(summary["devices"])
+    per_device = summary["memory_per_device_bytes"]["total"]
+    measured = summary["memory_measured"]
+    if "peak_bytes_per_device" in measured:   # GPUs: per device, against the estimate per device
+        return {"config": label, "devices": devices, "estimate_bytes": per_device,
+                "peak_bytes": measured["max_peak_bytes"], "baseline_bytes": 0,
+                "measured_bytes": measured["max_peak_bytes"], "per": "device"}
+    return {"config": label, "devices": devices, "estimate_bytes": per_device * devices,
+            "peak_bytes": measured["peak_rss_bytes"], "baseline_bytes": measured["baseline_rss_bytes"],
+            "measured_bytes": measured["peak_minus_baseline_bytes"], "per": "process",
+            "tf_allocator_peak_bytes": measured.get("tf_allocator_peak_bytes", 0)}
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table: peak, ratio to single, estimate, measured minus baseline, their ratio."""
+    single = next((r["peak_bytes"] for r in rows if r["config"] == "single"), None)
+    gib = 2**30
+    per = rows[0]["per"] if rows else "process"
+    peak = "process RSS" if per == "process" else "per device"
+    lines = [f"| configuration | peak ({peak}) | ratio to single | "
+             f"estimate ({'summed over devices' if per == 'process' else 'per device'}) | "
+             f"measured{' minus baseline' if per == 'process' else ''} | estimate / measured | TF allocator peak |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        ratio = f"{r['peak_bytes'] / single:.2f}" if single else "-"
+        agree = f"{r['estimate_bytes'] / r['measured_bytes']:.2f}" if r["measured_bytes"] > 0 else "-"
+        allocator = f"{r['tf_allocator_peak_bytes'] / gib:.2f} GiB" if r.get("tf_allocator_peak_bytes") else "-"
+        lines.append(f"| {r['config']} | {r['peak_bytes'] / gib:.2f} GiB | {ratio} | "
+                     f"{r['estimate_bytes'] / gib:.2f} GiB | {r['measured_bytes'] / gib:.2f} GiB | {agree} | "
+                     f"{allocator} |")
+    if per == "process" and rows:
+        baselines = ", ".join(f"{r['config']} {r['baseline_bytes'] / gib:.2f} GiB" for r in rows)
+        lines.append(f"\nBaseline (process RSS before the model is built): {baselines}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(PROG, f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+    unknown = [c for c in FLAGS.configs if c not in KEYS]
+    if unknown:
+        cli.fail(PROG, f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(KEYS)}")
+    chosen = [c for c in CONFIGS if c[0].replace(" ", "_") in FLAGS.configs]
+    rows = []
+    for label, strategy, devices, mesh, layout in chosen:
+        print(f"  {label} ...", file=sys.stderr, flush=True)
+        rows.append(row(label, run_one(strategy, devices, mesh, layout)))
+    table = markdown(rows)
+    print(f"{FLAGS.model}, {FLAGS.dataset} image {FLAGS.image_size or 'default'}, global batch {FLAGS.batch_size}, "
+          f"{FLAGS.steps} steps, fresh process per configuration\n")
+    print(table)
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+        with open(FLAGS.out, "w") as f:
+            f.write(table)
+        with open(os.path.splitext(FLAGS.out)[0] + ".json", "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def run():
+    """Entry point: `python -m tools.memory_table`."""
+    cli.run(main, PROG, _WORKLOAD)
+
+
+if __name__ == "__main__":
+    run()
