@@ -14,10 +14,19 @@ Counted from the placement plan, per device:
                             - Dropout's mask and BatchNormalization's normalised input, each
                               the size of the output;
                           SplitConv2D keeps its (gathered) input, never a patch matrix;
+                          SlicePool2D keeps its k*k window slices and k*k-2 partial maxima
+                          (the backward of its chain of tf.maximum reads both operands);
   input                   the input batch (1/M of it under conv_data_fc_model);
-  transient               the largest working set of one layer's backward beyond the above:
-                          its input gradient (whole where the input is gathered) and its output
-                          gradient at once.
+  transient               the largest working set of one layer's backward beyond the above
+                          (its input gradient, whole where the input is gathered, and its
+                          output gradient at once);
+  update                  the optimizer's temporaries: the decayed gradient and the new
+                          velocity, 2 x the gradient shards (one tf.function step: updates of
+                          late layers run while early layers' backward still holds activations);
+  reduction_buffers       the gradient all-reduce's buffers: MirroredStrategy packs every
+                          gradient into one buffer and receives the sum into another (2 x the
+                          gradients); DTensor all-reduces each gradient of a layer shared by
+                          several batch groups into a new tensor (1 x those gradients).
 A model-level estimate: the runtime may fuse or free some tensors early and adds its own
 workspace; `summary.json` sets the measured peak beside it.
 """
@@ -44,6 +53,9 @@ def saved_elems(plan: PlacementPlan, layer) -> int:
         kept += node.in_elems
     if issubclass(node.cls, _SAVES_OUTPUT_SIZED):
         kept += out
+    if layer.impl == "SlicePool2D":
+        taps = int(np.prod(node.config["pool_size"]))
+        kept += (2 * taps - 2) * out
     return kept
 
 
@@ -60,14 +72,19 @@ def transient_elems(plan: PlacementPlan, layer) -> int:
 
 def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter: int = 1) -> dict:
     """{"parameters", "gradients", "optimizer_slots", "activations", "input", "transient",
-    "total"} in bytes, for one device of a step on `global_batch` examples."""
+    "update", "reduction_buffers", "total"} in bytes, for one device of a step on
+    `global_batch` examples."""
     group_batch = global_batch // plan.mesh["batch"]
-    params = grads = 0
+    params = grads = reduced = 0
     for layer in plan.layers:
         for path, shape in layer.node.weights.items():
             local = plan.local_elems(path, shape)
             params += local
-            grads += local if path in layer.node.trainable else 0
+            if path in layer.node.trainable:
+                grads += local
+                reduced += local if plan.gradient_group(layer) > 1 else 0
+    # one process' tf.distribute data parallelism (a replicated plan) packs all gradients
+    buffers = 2 * grads if not plan.layout and plan.mesh["batch"] > 1 else reduced
     activations = transient = 0
     for layer in plan.layers:
         activations += saved_elems(plan, layer) * group_batch
@@ -77,6 +94,8 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
            "optimizer_slots": grads * slots_per_parameter * BYTES_PER_VALUE,
            "activations": activations * BYTES_PER_VALUE,
            "input": first.node.out_elems * group_batch // plan.share(first.out_layout) * BYTES_PER_VALUE,
-           "transient": transient * BYTES_PER_VALUE}
+           "transient": transient * BYTES_PER_VALUE,
+           "update": 2 * grads * BYTES_PER_VALUE,
+           "reduction_buffers": buffers * BYTES_PER_VALUE}
     out["total"] = sum(out.values())
     return out

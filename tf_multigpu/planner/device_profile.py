@@ -155,10 +155,14 @@ def _concurrent_seconds(devices, make_inputs, body) -> float:
 
 
 def _model_convs(model) -> list[tuple]:
-    """(input shape, kernel shape, stride, padding) of every Conv2D of a built Keras model."""
+    """(input shape, kernel shape, stride, padding) of every Conv2D of a built Keras model, read
+    from its graph (parallel/placement.model_graph)."""
     import keras
-    return [(tuple(layer.input.shape[1:]), tuple(layer.kernel.shape), layer.strides[0], layer.padding.upper())
-            for layer in model.layers if isinstance(layer, keras.layers.Conv2D)]
+
+    from tf_multigpu.parallel.placement import model_graph
+    return [(node.in_shapes[0], node.weights[node.weight("kernel")], node.config["strides"][0],
+             node.config["padding"].upper())
+            for node in model_graph(model) if issubclass(node.cls, keras.layers.Conv2D)]
 
 
 def _conv_flops(convs, batch: int) -> float:
