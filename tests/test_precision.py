@@ -19,7 +19,8 @@ from tf_multigpu.data import load_source
 # places than oneDNN's convolution. Measured (max over variables of |dUpdate| / max|update|,
 # one step, lr=1): data 2 and 4 devices 0.030, model 1x2 0.064, hybrid 2x2 0.058. 0.1 fits that
 # and still fails for a wrong loss scale or a missed all-reduce (>= 0.5). float16 keeps 11
-# bits: measured 6.8e-4 (data) and 8.7e-4 (model); 5e-3.
+# bits: measured 6.8e-4 (data) and 8.7e-4 (model) on an earlier machine, 1.6e-3 and 3.0e-3 on an
+# AMD EPYC (split convolutions accumulate float16 in float32, split_conv.py); 5e-3.
 TOLERANCE = {"bfloat16": 0.1, "float16": 5e-3}
 
 
