@@ -46,7 +46,7 @@ flags.DEFINE_integer("steps", 3, "Training steps per run.")
 flags.DEFINE_list("configs", list(KEYS), f"Configurations to run, of: {', '.join(KEYS)}.")
 flags.DEFINE_boolean("gpus", False, "Run on the machine's GPUs instead of logical CPU devices.")
 flags.DEFINE_string("out", "", "Also write the markdown table (and a .json beside it) here.")
-flags.DEFINE_integer("timeout", 1800, "Seconds per run.")
+flags.DEFINE_integer("run_timeout", 1800, "Seconds per run.")
 FLAGS = flags.FLAGS
 
 
@@ -61,7 +61,7 @@ def run_one(strategy: str, devices: int, mesh: str, layout: str) -> dict:
             command.append(f"--cpu_devices={devices}")
         if mesh:
             command += [f"--mesh={mesh}", f"--layout={layout}"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=FLAGS.timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=FLAGS.run_timeout)
     if done.returncode != 0:
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
         cli.fail(PROG, f"{' '.join(command[1:])} failed: {last}", 1)
