@@ -1,7 +1,7 @@
 """RQ5's memory table: what every strategy really uses, against what the run estimates.
 
     python -m tools.memory_table --model=alexnet --dataset=synthetic \
-        --image_size=224 --batch_size=64 --steps=3 --out=results/memory_table.md
+        --image_size=224 --batch_size=64 --train_steps=3 --out=results/memory_table.md
 
 Each configuration is a fresh `python -m tf_multigpu.train ... --noexport` process on logical
 CPU devices (one per device of the configuration), run one at a time, so that each peak is
@@ -42,7 +42,7 @@ KEYS = {label.replace(" ", "_"): label for label, *_ in CONFIGS}
 
 _WORKLOAD = define_workload_flags(("model", "dataset", "image_size", "batch_size"), model="alexnet",
                                   dataset="synthetic")
-flags.DEFINE_integer("steps", 3, "Training steps per run.")
+flags.DEFINE_integer("train_steps", 3, "Training steps per run.")
 flags.DEFINE_list("configs", list(KEYS), f"Configurations to run, of: {', '.join(KEYS)}.")
 flags.DEFINE_boolean("gpus", False, "Run on the machine's GPUs instead of logical CPU devices.")
 flags.DEFINE_string("out", "", "Also write the markdown table (and a .json beside it) here.")
@@ -56,7 +56,7 @@ def run_one(strategy: str, devices: int, mesh: str, layout: str) -> dict:
         command = [sys.executable, "-m", "tf_multigpu.train", f"--run_dir={run_dir}", "--noexport",
                    f"--strategy={strategy}", f"--model={FLAGS.model}", f"--dataset={FLAGS.dataset}",
                    f"--image_size={FLAGS.image_size}", f"--batch_size={FLAGS.batch_size}",
-                   f"--steps={FLAGS.steps}", f"--num_devices={devices}"]
+                   f"--steps={FLAGS.train_steps}", f"--num_devices={devices}"]
         if not FLAGS.gpus:
             command.append(f"--cpu_devices={devices}")
         if mesh:
@@ -119,7 +119,7 @@ def main(argv):
         rows.append(row(label, run_one(strategy, devices, mesh, layout)))
     table = markdown(rows)
     print(f"{FLAGS.model}, {FLAGS.dataset} image {FLAGS.image_size or 'default'}, global batch {FLAGS.batch_size}, "
-          f"{FLAGS.steps} steps, fresh process per configuration\n")
+          f"{FLAGS.train_steps} steps, fresh process per configuration\n")
     print(table)
     if FLAGS.out:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)

@@ -36,6 +36,10 @@ def define_workload_flags(names=WORKLOAD_FLAGS, flag_values=flags.FLAGS, **defau
     if unknown:
         raise ValueError(f"not workload flags (or not defined here): {sorted(unknown)}")
     for name in names:
+        if name in flag_values:
+            # Defined already by another command's module in this process (tests import several
+            # tools): one flag, one meaning; a process that runs a command defines it once.
+            continue
         default = defaults.get(name, _DEFAULTS[name])
         if name in ("image_size", "batch_size"):
             flags.DEFINE_integer(name, default, _HELP[name], flag_values=flag_values)
