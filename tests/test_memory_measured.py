@@ -81,7 +81,8 @@ def test_table_rows_and_markdown():
 def test_memory_table_tool_runs_fresh_processes(tmp_path):
     out = tmp_path / "table.md"
     done = subprocess.run([sys.executable, "-m", "tools.memory_table", "--model=small_convnet", "--dataset=digits",
-                           "--batch_size=32", "--train_steps=1", "--configs=single,model_1x2_filter_split", f"--out={out}"],
+                           "--batch_size=32", "--train_steps=1", "--configs=single,model_1x2_filter_split",
+                           f"--out={out}"],
                           cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "table.json").read_text())
