@@ -43,6 +43,7 @@ Communication per step (what DTensor runs; BUILD_NOTES.md has the lowered graphs
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import keras
@@ -149,8 +150,8 @@ class PlacementPlan:
     def __getitem__(self, name: str) -> LayerPlan:
         return self._by_name[name]
 
-    @property
-    def _by_name(self) -> dict:
+    @functools.cached_property
+    def _by_name(self) -> dict:   # built once: the converter looks up every layer
         return {p.name: p for p in self.layers}
 
     def split_on_model(self, path: str) -> bool:
