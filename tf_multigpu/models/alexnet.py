@@ -33,3 +33,23 @@ def alexnet(input_shape, num_classes, dropout=0.5):
         layers.Dense(4096, activation="relu", name="fc7"),
         layers.Dense(num_classes, name="logits"),
     ], name="alexnet")
+
+
+def tf_cnn_benchmarks_alexnet():
+    """tf_cnn_benchmarks' AlexNet (models/alexnet_model.py, 2017): the network the DGX-1
+    figures were measured on, for its FLOPs and bytes only."""
+    return keras.Sequential([
+        keras.Input((227, 227, 3)),
+        layers.Conv2D(64, 11, strides=4, activation="relu", name="conv1"),
+        layers.MaxPooling2D(3, strides=2, name="pool1"),
+        layers.Conv2D(192, 5, padding="same", activation="relu", name="conv2"),
+        layers.MaxPooling2D(3, strides=2, name="pool2"),
+        layers.Conv2D(384, 3, padding="same", activation="relu", name="conv3"),
+        layers.Conv2D(384, 3, padding="same", activation="relu", name="conv4"),
+        layers.Conv2D(256, 3, padding="same", activation="relu", name="conv5"),
+        layers.MaxPooling2D(3, strides=2, name="pool5"),
+        layers.Flatten(name="flatten"),
+        layers.Dense(4096, activation="relu", name="fc6"),
+        layers.Dense(4096, activation="relu", name="fc7"),
+        layers.Dense(1001, name="logits"),
+    ], name="tf_cnn_benchmarks_alexnet")

@@ -5,7 +5,7 @@ published figures as the profile has free constants; every other figure of the s
 held out and only predicted (`reproduce`), so the comparison tests the cost model, not the
 fit. Each table uses its source's model: the package's AlexNet (one tower, 224 x 224 x 3, 1000
 classes) for the paper; tf_cnn_benchmarks' own AlexNet (64-192-384-384-256 filters, 227 x 227,
-1001 classes; `benchmark_alexnet`) for the DGX-1.
+1001 classes; `models.alexnet.tf_cnn_benchmarks_alexnet`) for the DGX-1.
 
 - `yadan2013`: Yadan, Adams, Taigman, Ranzato 2013 (arXiv:1312.5853), 4 TITAN on PCIe,
   global batch 256 (the paper's regime: the batch is split, so per-device work shrinks).
@@ -63,28 +63,6 @@ P100_DGX1 = tuple(
 TABLES = {"yadan2013": YADAN2013, "p100_dgx1": P100_DGX1}
 
 
-def benchmark_alexnet():
-    """tf_cnn_benchmarks' AlexNet (models/alexnet_model.py, 2017): the network the DGX-1
-    figures were measured on, for its FLOPs and bytes only."""
-    import keras
-    from keras import layers
-    return keras.Sequential([
-        keras.Input((227, 227, 3)),
-        layers.Conv2D(64, 11, strides=4, activation="relu", name="conv1"),
-        layers.MaxPooling2D(3, strides=2, name="pool1"),
-        layers.Conv2D(192, 5, padding="same", activation="relu", name="conv2"),
-        layers.MaxPooling2D(3, strides=2, name="pool2"),
-        layers.Conv2D(384, 3, padding="same", activation="relu", name="conv3"),
-        layers.Conv2D(384, 3, padding="same", activation="relu", name="conv4"),
-        layers.Conv2D(256, 3, padding="same", activation="relu", name="conv5"),
-        layers.MaxPooling2D(3, strides=2, name="pool5"),
-        layers.Flatten(name="flatten"),
-        layers.Dense(4096, activation="relu", name="fc6"),
-        layers.Dense(4096, activation="relu", name="fc7"),
-        layers.Dense(1001, name="logits"),
-    ], name="tf_cnn_benchmarks_alexnet")
-
-
 _COSTS = {}
 
 
@@ -92,8 +70,9 @@ def table_cost(name: str):
     """The per-layer cost of table `name`'s model (built once per process)."""
     if name not in _COSTS:
         from tf_multigpu.models import build_model
+        from tf_multigpu.models.alexnet import tf_cnn_benchmarks_alexnet
         from tf_multigpu.planner.cost_model import analyze
-        model = benchmark_alexnet() if name == "p100_dgx1" else build_model("alexnet", (224, 224, 3), 1000)
+        model = tf_cnn_benchmarks_alexnet() if name == "p100_dgx1" else build_model("alexnet", (224, 224, 3), 1000)
         _COSTS[name] = analyze(model)
     return _COSTS[name]
 
