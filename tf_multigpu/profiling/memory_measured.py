@@ -5,7 +5,11 @@
 - CPUs: logical CPU devices share one allocator and the host's RAM, so there is no figure
   per device. The process's peak resident set (getrusage ru_maxrss) is the measured total of
   all of them, and its resident set when the meter starts (before the model is built) is the
-  baseline: TensorFlow's runtime, the data set, Python. `peak_minus_baseline_bytes` is what
+  baseline: TensorFlow's runtime, the data set, Python. The meter resets the kernel's
+  high-water mark when it starts (Linux: `echo 5 > /proc/self/clear_refs`), so a transient
+  peak from before -- TensorFlow's import, the data set's decoding -- is not counted as the
+  run's; where that is not possible the peak is since the process started, and
+  `peak_since` says which. `peak_minus_baseline_bytes` is what
   the model, its training step and its devices added -- the figure to hold against the
   estimate summed over devices. Beside it, the peak of TensorFlow's CPU allocator, which all
   logical CPU devices share (`get_memory_info("CPU:0")`, reset when the meter starts): the
@@ -31,12 +35,24 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set size since it started.
+    """The process's peak resident set size since it started, or since the last
+    `reset_peak_rss()`.
 
-    Linux updates the high-water mark behind ru_maxrss lazily, so it can lag the current RSS
-    by a few pages; the larger of the two is the peak."""
+    Linux updates the high-water mark lazily, so it can lag the current RSS by a few pages;
+    the larger of the two is the peak."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return max(peak if sys.platform == "darwin" else peak * 1024, rss_bytes())   # Linux: KiB, macOS: bytes
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0: writing 5 to
+    /proc/self/clear_refs; getrusage's ru_maxrss follows). False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class MemoryMeter:
@@ -46,6 +62,7 @@ class MemoryMeter:
         self.gpus = [d.split("device:")[-1] for d in devices if "GPU" in d.split("device:")[-1].upper()]
         for device in self.gpus or ["CPU:0"]:
             tf.config.experimental.reset_memory_stats(device)
+        self.peak_reset = reset_peak_rss()
         self.baseline = rss_bytes()
 
     def measured(self) -> dict:
@@ -58,6 +75,7 @@ class MemoryMeter:
                     "max_peak_bytes": max(peaks.values())}
         peak = peak_rss_bytes()
         return {"source": "process peak RSS (all logical CPU devices)", "peak_rss_bytes": peak,
+                "peak_since": "meter start" if self.peak_reset else "process start",
                 "baseline_rss_bytes": self.baseline, "peak_minus_baseline_bytes": peak - self.baseline,
                 "tf_allocator_peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
 
