@@ -59,7 +59,7 @@ def test_filter_split_alexnet_on_4_devices_needs_at_most_27_percent(devices):
     full = bytes_per_device(unsplit, 32)
     ratio = (split["parameters"] + split["optimizer_slots"]) / (full["parameters"] + full["optimizer_slots"])
     assert ratio <= 0.27, ratio
-    assert split["total"] < full["total"] / 2   # activations are not: gathered inputs, SlicePool2D's slices
+    assert split["total"] < full["total"] / 2   # activations are not: gathered inputs, replicated FC inputs
 
 
 ALEXNET_CONV_PARAMS = (11 * 11 * 3 * 96 + 96) + (5 * 5 * 96 * 256 + 256) + (3 * 3 * 256 * 384 + 384) + (

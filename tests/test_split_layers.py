@@ -219,6 +219,49 @@ def test_slice_avg_pool_equals_keras(devices, name, b, m):
                  [_x()], [SPLIT4], b, m, SPLIT4)
 
 
+MAX_POOL = {**AVG_POOL, "3x3_s2_valid_55": {"pool_size": 3, "strides": 2}}   # AlexNet's pools
+
+
+def _with_ties(shape, seed=0):
+    """ReLU'd values on a coarse grid: windows with several equal maxima (zeros among them),
+    where the gradient must go to the first one, as MaxPoolGrad sends it."""
+    return np.round(np.maximum(_x(shape, seed), 0) * 4) / 4
+
+
+@pytest.mark.parametrize("b,m", MESHES)
+@pytest.mark.parametrize("name", MAX_POOL)
+def test_slice_max_pool_equals_keras_ties_included(devices, name, b, m):
+    from tf_multigpu.parallel.split_layers import SlicePool2D
+    kw = MAX_POOL[name]
+    x = _with_ties((2, 13, 13, 4) if name.endswith("_55") else (4, 9, 9, 8))
+    assert check_parity(devices, lambda: keras.layers.MaxPooling2D(**kw), lambda: SlicePool2D(**kw),
+                        [x], [SPLIT4], b, m, SPLIT4) in (None, [])
+
+
+def test_slice_max_pool_backward_keeps_only_its_input_and_output():
+    """The gradient reads x and y of the forward, nothing else: no tap, no partial maximum
+    (autodiff of the tf.maximum chain kept 2*k*k - 2 output-sized tensors)."""
+    from tf_multigpu.parallel.split_layers import SlicePool2D
+    layer = SlicePool2D(pool_size=3, strides=2)
+    shape = (2, 13, 13, 4)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            with tf.name_scope("pool"):
+                y = layer(x)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, x)
+
+    graph = tf.function(step).get_concrete_function(tf.TensorSpec(shape)).graph
+    ops = graph.get_operations()
+    first_backward = next(i for i, op in enumerate(ops) if op.name.startswith("gradient_tape"))
+    forward = {op.name for op in ops[:first_backward] if op.name.startswith("pool/")}
+    read = {t.name for op in ops[first_backward:] for t in op.inputs if t.op.name in forward}
+    kept = {name for name in read if graph.get_tensor_by_name(name).op.type not in ("Const", "IdentityN")}
+    assert len(kept) <= 2, f"the backward reads more than x and y of the forward: {sorted(kept)}"
+
+
 # -- d) merges -----------------------------------------------------------------------------
 @pytest.mark.parametrize("b,m", MESHES)
 @pytest.mark.parametrize("stock", [c for c in M.MERGES if c is not keras.layers.Concatenate], ids=lambda c: c.__name__)

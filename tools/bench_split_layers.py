@@ -1,4 +1,4 @@
-"""fwd+bwd time of the split-aware layers (parallel/split_layers_modern.py) against the stock
+"""fwd+bwd time of the split-aware layers (parallel/split_layers*.py) against the stock
 Keras layer on one device, at MobileNetV2 / ResNet(-X) / Xception-like shapes.
 
     python -m tools.bench_split_layers                 # batch 16, best of 7, interleaved
@@ -31,6 +31,7 @@ FLAGS = flags.FLAGS
 
 def cases(keras, M):
     """name -> (input HWC, stock layer factory, split-aware factory)."""
+    from tf_multigpu.parallel.split_layers import SlicePool2D
     return {
         "depthwise_3x3_s1 56x56x144 (MobileNetV2 block 2)":
             ((56, 56, 144), lambda: keras.layers.DepthwiseConv2D(3, padding="same", use_bias=False),
@@ -49,6 +50,11 @@ def cases(keras, M):
         "avg_pool_3x3_s1_same 28x28x256 (Inception)":
             ((28, 28, 256), lambda: keras.layers.AveragePooling2D(3, 1, padding="same"),
              lambda: M.SliceAvgPool2D(3, 1, padding="same")),
+        "max_pool_3x3_s2 55x55x96 (AlexNet pool1)":
+            ((55, 55, 96), lambda: keras.layers.MaxPooling2D(3, 2), lambda: SlicePool2D(3, 2)),
+        "max_pool_3x3_s2_same 112x112x64 (ResNet-50 stem)":
+            ((112, 112, 64), lambda: keras.layers.MaxPooling2D(3, 2, padding="same"),
+             lambda: SlicePool2D(3, 2, padding="same")),
         "batchnorm 28x28x512 (ResNet-50 stage 2, stock both)":
             ((28, 28, 512), lambda: keras.layers.BatchNormalization(), lambda: keras.layers.BatchNormalization()),
     }

@@ -14,8 +14,8 @@ Counted from the placement plan, per device:
                             - Dropout's mask and BatchNormalization's normalised input, each
                               the size of the output;
                           SplitConv2D keeps its (gathered) input, never a patch matrix;
-                          SlicePool2D keeps its k*k window slices and k*k-2 partial maxima
-                          (the backward of its chain of tf.maximum reads both operands);
+                          SlicePool2D its input and output, both counted already (its
+                          backward re-slices the window taps from the input);
   input                   the input batch (1/M of it under conv_data_fc_model);
   transient               the largest working set of one layer's backward beyond the above
                           (its input gradient, whole where the input is gathered, and its
@@ -53,9 +53,6 @@ def saved_elems(plan: PlacementPlan, layer) -> int:
         kept += node.in_elems
     if issubclass(node.cls, _SAVES_OUTPUT_SIZED):
         kept += out
-    if layer.impl == "SlicePool2D":
-        taps = int(np.prod(node.config["pool_size"]))
-        kept += (2 * taps - 2) * out
     return kept
 
 

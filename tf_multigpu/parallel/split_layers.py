@@ -4,9 +4,9 @@ The layout policy swaps these in for the stock layers of a model (models stay pl
 
   SplitConv2D    Conv2D whose kernel is split on output channels: DTensor refuses a sharded
                  filter in Conv2D, so it runs `split_conv2d` (im2col + einsum, custom grad).
-  SlicePool2D    MaxPooling2D from strided slices and tf.maximum: DTensor's MaxPool refuses
-                 channel-sharded inputs ("Only replicated or batch parallel layout is
-                 supported"); this is exact and keeps the sharding.
+  SlicePool2D    MaxPooling2D from strided slices and tf.maximum, with its own gradient:
+                 DTensor's MaxPool refuses channel-sharded inputs ("Only replicated or batch
+                 parallel layout is supported"); this is exact and keeps the sharding.
   GatherFlatten, GatherDense, GatherConv2D
                  the stock layers preceded by one explicit all-gather of the input over the
                  `model` axis. DTensor would otherwise insert the same relayout silently; doing
@@ -24,6 +24,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tf_multigpu.parallel.split_conv import split_conv2d
+from tf_multigpu.parallel.split_layers_modern import window_max
 
 
 def gather_model_axis(x, mesh, name):
@@ -69,24 +70,11 @@ class GatherConv2D(_Gathers, keras.layers.Conv2D):
 
 
 class SlicePool2D(keras.layers.MaxPooling2D):
-    """Max pooling as the max over pool_size^2 strided slices: exact, layout-preserving."""
+    """Max pooling as the max over pool_size^2 strided slices: exact, layout-preserving; its
+    backward keeps only its input and output (`split_layers_modern.window_max`)."""
 
     def call(self, inputs):
-        (kh, kw), (sh, sw) = self.pool_size, self.strides
-        if self.padding == "same":
-            h, w = inputs.shape[1], inputs.shape[2]
-            pad_h, pad_w = max((-(-h // sh) - 1) * sh + kh - h, 0), max((-(-w // sw) - 1) * sw + kw - w, 0)
-            inputs = tf.pad(inputs, [[0, 0], [pad_h // 2, pad_h - pad_h // 2],
-                                     [pad_w // 2, pad_w - pad_w // 2], [0, 0]],
-                            constant_values=float("-inf"))
-        h, w = inputs.shape[1], inputs.shape[2]
-        oh, ow = (h - kh) // sh + 1, (w - kw) // sw + 1
-        out = None
-        for i in range(kh):
-            for j in range(kw):
-                window = inputs[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw, :]
-                out = window if out is None else tf.maximum(out, window)
-        return out
+        return window_max(inputs, self.pool_size, self.strides, self.padding)
 
 
 class GatherFlatten(_Gathers, keras.layers.Flatten):

@@ -89,9 +89,16 @@ def _pads(x, kernel_size, strides, padding):
     return tuple(_same_pads(n, k, s) for n, k, s in zip(x.shape[1:3], kernel_size, strides))
 
 
-def _taps(x, kernel_size, strides, padding):
+def _taps(x, kernel_size, strides, padding, pad_value=0.0):
     """The kh*kw slices [B, oh, ow, ...] a kh x kw window at `strides` reads, in (i, j)
-    row-major order. Only H and W are sliced, so any channel sharding of x is kept.
+    row-major order, the padding filled with `pad_value`. Only H and W are sliced, so any
+    channel sharding of x is kept."""
+    read = _tap_reader(x, kernel_size, strides, padding, pad_value)
+    return [read(t) for t in range(kernel_size[0] * kernel_size[1])]
+
+
+def _tap_reader(x, kernel_size, strides, padding, pad_value=0.0):
+    """A function t -> the t-th tap of `_taps`, so a caller can slice one tap at a time.
 
     A strided window is read through the stride-phase view [B, H/sh, sh, W/sw, sw, ...] (a
     reshape), where every tap is a unit-stride slice: TensorFlow's CPU StridedSlice with
@@ -101,20 +108,24 @@ def _taps(x, kernel_size, strides, padding):
     (pt, pb), (pl, pr) = _pads(x, kernel_size, strides, padding)
     rest = [[0, 0]] * (len(x.shape) - 3)
     if pt or pb or pl or pr:
-        x = tf.pad(x, [[0, 0], [pt, pb], [pl, pr], *rest])
+        x = tf.pad(x, [[0, 0], [pt, pb], [pl, pr], *rest], constant_values=pad_value)
     oh, ow = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
     if sh == sw == 1:
-        return [x[:, i:i + oh, j:j + ow] for i in range(kh) for j in range(kw)]
+        return lambda t: x[:, t // kw:t // kw + oh, t % kw:t % kw + ow]
     hs, ws = oh - 1 + -(-kh // sh), ow - 1 + -(-kw // sw)   # phase-grid rows/cols the taps read
     x = x[:, :hs * sh, :ws * sw]
-    x = tf.pad(x, [[0, 0], [0, hs * sh - x.shape[1]], [0, ws * sw - x.shape[2]], *rest])
+    x = tf.pad(x, [[0, 0], [0, hs * sh - x.shape[1]], [0, ws * sw - x.shape[2]], *rest],
+               constant_values=pad_value)   # alignment only: no tap reads these cells
     rest = list(x.shape[3:])
     x = tf.reshape(x, [-1, hs, sh, ws, sw, *rest])
-    # tf.slice + reshape: an integer index (a shrink-axis strided slice) silently replicates
-    # a channel-split tensor under DTensor.
-    return [tf.reshape(tf.slice(x, [0, i // sh, i % sh, j // sw, j % sw] + [0] * len(rest),
-                                [-1, oh, 1, ow, 1, *rest]), [-1, oh, ow, *rest])
-            for i in range(kh) for j in range(kw)]
+
+    def read(t):
+        i, j = divmod(t, kw)
+        # tf.slice + reshape: an integer index (a shrink-axis strided slice) silently
+        # replicates a channel-split tensor under DTensor.
+        return tf.reshape(tf.slice(x, [0, i // sh, i % sh, j // sw, j % sw] + [0] * len(rest),
+                                   [-1, oh, 1, ow, 1, *rest]), [-1, oh, ow, *rest])
+    return read
 
 
 def window_sum(x, weights, kernel_size, strides, padding):
@@ -168,6 +179,65 @@ def window_sum(x, weights, kernel_size, strides, padding):
     def pool(x):
         y, grad = forward(x, None)
         return y, lambda dy: grad(dy)[0]
+
+    return pool(x)
+
+
+def window_max(x, pool_size, strides, padding):
+    """Max pooling of x [B, H, W, C] as the max over the window's strided taps, with a
+    hand-written gradient that keeps nothing but x and y.
+
+    Autodiff of a chain of tf.maximum would keep every tap and every partial maximum for
+    the backward (2*k*k - 2 tensors of the output's size: on AlexNet's pools more than the
+    input itself). Here the backward re-slices the taps from x, one at a time, and routes each
+    output's gradient to the first tap (row-major) that equals the maximum -- MaxPoolGrad's
+    rule, and the rule the tf.maximum chain follows (ties go to its first operand). Each tap's
+    share lands on its stride phase of x: the phase view [B, H/sh, sh, W/sw, sw, C] that
+    `_taps` reads through, written back by padding and one reshape, never a StridedSliceGrad.
+    Every op slices H and W or is elementwise, so a channel sharding is kept.
+    """
+    (kh, kw), (sh, sw) = pool_size, strides
+    h, w = x.shape[1], x.shape[2]
+    (pt, pb), (pl, pr) = _pads(x, pool_size, strides, padding)
+    low = x.dtype.min
+
+    @tf.custom_gradient
+    def pool(x):
+        read = _tap_reader(x, pool_size, strides, padding, pad_value=low)
+        y = read(0)
+        for t in range(1, kh * kw):
+            with tf.control_dependencies([y]):   # one tap alive at a time, not k*k
+                y = tf.maximum(y, read(t))
+
+        def grad(dy):
+            oh, ow, c = dy.shape[1], dy.shape[2], dy.shape[3]
+            hs, ws = oh - 1 + -(-kh // sh), ow - 1 + -(-kw // sw)   # the phase grid, as in _taps
+            read = _tap_reader(x, pool_size, strides, padding, pad_value=low)
+            phases = {}
+            remaining, done = dy, dy
+            for t in range(kh * kw):
+                with tf.control_dependencies([done]):   # one tap at a time, after the last one's share
+                    hit = tf.equal(read(t), y)
+                # where(.., 0.0): zeros_like would be a replicated tensor under DTensor.
+                share = tf.where(hit, remaining, 0.0)
+                remaining = tf.where(hit, 0.0, remaining)
+                i, j = divmod(t, kw)
+                placed = tf.pad(share, [[0, 0], [i // sh, hs - oh - i // sh], [j // sw, ws - ow - j // sw], [0, 0]])
+                key = (i % sh, j % sw)
+                phases[key] = placed if key not in phases else phases[key] + placed
+                done = phases[key]
+            zeros = next(iter(phases.values())) * 0.0   # a phase no tap reads (pool < stride)
+            # expand_dims + concat, not tf.stack: DTensor's Pack replicates a channel split.
+            grid = tf.concat([tf.expand_dims(tf.concat([tf.expand_dims(phases.get((a, b), zeros), 3)
+                                                        for b in range(sw)], axis=3), 2)
+                              for a in range(sh)], axis=2)   # [B, hs, sh, ws, sw, C]
+            dx = tf.reshape(grid, [-1, hs * sh, ws * sw, c])
+            hp, wp = h + pt + pb, w + pl + pr   # the padded input; the grid may be larger or smaller
+            dx = dx[:, :hp, :wp]
+            dx = tf.pad(dx, [[0, 0], [0, hp - dx.shape[1]], [0, wp - dx.shape[2]], [0, 0]])
+            return dx[:, pt:pt + h, pl:pl + w]
+
+        return y, grad
 
     return pool(x)
 
