@@ -206,7 +206,10 @@ def window_max(x, pool_size, strides, padding):
         read = _tap_reader(x, pool_size, strides, padding, pad_value=low)
         y = read(0)
         for t in range(1, kh * kw):
-            with tf.control_dependencies([y]):   # one tap alive at a time, not k*k
+            # One tap alive at a time, not k*k, on plain tensors. DTensor's SPMD expansion
+            # drops control edges (parallel/split_conv.py), so on a mesh the taps may all be
+            # live at once: a transient of k*k output-sized tensors, never kept.
+            with tf.control_dependencies([y]):
                 y = tf.maximum(y, read(t))
 
         def grad(dy):
@@ -216,7 +219,7 @@ def window_max(x, pool_size, strides, padding):
             phases = {}
             remaining, done = dy, dy
             for t in range(kh * kw):
-                with tf.control_dependencies([done]):   # one tap at a time, after the last one's share
+                with tf.control_dependencies([done]):   # one tap at a time (plain tensors, as above)
                     hit = tf.equal(read(t), y)
                 # where(.., 0.0): zeros_like would be a replicated tensor under DTensor.
                 share = tf.where(hit, remaining, 0.0)
