@@ -69,14 +69,15 @@ def test_table_rows_and_markdown():
                    "memory_measured": {"peak_rss_bytes": 3 * 2**30, "baseline_rss_bytes": 2**30,
                                        "peak_minus_baseline_bytes": 2 * 2**30}},
         "model 1x2 filter_split": {"devices": ["cpu0", "cpu1"], "memory_per_device_bytes": {"total": 2**30},
+                                   "memory_host_bytes": {"total": 2**29},
                                    "memory_measured": {"peak_rss_bytes": 6 * 2**30, "baseline_rss_bytes": 2**30,
                                                        "peak_minus_baseline_bytes": 5 * 2**30}},
     }
     rows = [row(label, s) for label, s in summaries.items()]
-    assert rows[1]["estimate_bytes"] == 2 * 2**30   # per device x devices on CPU
+    assert rows[1]["estimate_bytes"] == 2.5 * 2**30   # per device x devices + the host's input, on CPU
     table = markdown(rows)
     assert "| single | 3.00 GiB | 1.00 | 1.00 GiB | 2.00 GiB | 0.50 | - |" in table
-    assert "| model 1x2 filter_split | 6.00 GiB | 2.00 | 2.00 GiB | 5.00 GiB | 0.40 | - |" in table
+    assert "| model 1x2 filter_split | 6.00 GiB | 2.00 | 2.50 GiB | 5.00 GiB | 0.50 | - |" in table
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ CPU devices (one per device of the configuration), run one at a time, so that ea
 its own. From its summary.json: the process's peak RSS (`memory_measured`, the measured total
 of all its logical devices), its RSS before the model was built (the baseline: TensorFlow,
 Python, the data), and the run's estimate per device (`memory_per_device_bytes`), summed over
-devices to compare with "peak minus baseline"; beside them, the peak of TensorFlow's CPU
+devices plus the process's host estimate (`memory_host_bytes`: the input pipeline's batches)
+to compare with "peak minus baseline"; beside them, the peak of TensorFlow's CPU
 allocator (tensors only: the rest of RSS is the runtime, graphs and malloc). On GPUs (--gpus)
 the measured figure is each device's allocator peak and the estimate is compared per device.
 """
@@ -77,7 +78,8 @@ def row(label: str, summary: dict) -> dict:
         return {"config": label, "devices": devices, "estimate_bytes": per_device,
                 "peak_bytes": measured["max_peak_bytes"], "baseline_bytes": 0,
                 "measured_bytes": measured["max_peak_bytes"], "per": "device"}
-    return {"config": label, "devices": devices, "estimate_bytes": per_device * devices,
+    host = summary.get("memory_host_bytes", {}).get("total", 0)   # the input pipeline: in the RSS, on no device
+    return {"config": label, "devices": devices, "estimate_bytes": per_device * devices + host,
             "peak_bytes": measured["peak_rss_bytes"], "baseline_bytes": measured["baseline_rss_bytes"],
             "measured_bytes": measured["peak_minus_baseline_bytes"], "per": "process",
             "tf_allocator_peak_bytes": measured.get("tf_allocator_peak_bytes", 0)}

@@ -21,12 +21,21 @@ Counted from the placement plan, per device:
                           (its input gradient, whole where the input is gathered, and its
                           output gradient at once);
   update                  the optimizer's temporaries: the decayed gradient and the new
-                          velocity, 2 x the gradient shards (one tf.function step: updates of
-                          late layers run while early layers' backward still holds activations);
+                          velocity, 2 x the gradient shards (1 x, the scaled gradient, without
+                          momentum; one tf.function step: updates of late layers run while
+                          early layers' backward still holds activations);
   reduction_buffers       the gradient all-reduce's buffers: MirroredStrategy packs every
                           gradient into one buffer and receives the sum into another (2 x the
                           gradients); DTensor all-reduces each gradient of a layer shared by
-                          several batch groups into a new tensor (1 x those gradients).
+                          several batch groups into a new tensor (1 x those gradients; with
+                          DTensor's all-reduce combining, which dtensor_mesh.py turns off, it
+                          would be 3 x).
+Beside them, per process and in host memory, not on any device (`host_bytes`):
+  input_pipeline          the decoded float32 batches tf.data keeps in flight for training
+                          (data/pipeline.py's AUTOTUNE'd parallel map and prefetch): measured
+                          alone at 5.4-6.3 batches of AlexNet 224 at batch 64 (208-242 MiB),
+                          INPUT_PIPELINE_BATCHES = 6. On logical CPUs it is part of the
+                          process's measured peak; on GPUs it is not in any device's.
 A model-level estimate: the runtime may fuse or free some tensors early and adds its own
 workspace; `summary.json` sets the measured peak beside it.
 """
@@ -37,6 +46,9 @@ import keras
 import numpy as np
 
 from tf_multigpu.parallel.placement import BYTES_PER_VALUE, PlacementPlan
+
+# Decoded batches the training input pipeline holds at once (see the docstring).
+INPUT_PIPELINE_BATCHES = 6
 
 # Layers whose backward keeps a second tensor the size of their output.
 _SAVES_OUTPUT_SIZED = (keras.layers.Dropout, keras.layers.BatchNormalization)
@@ -92,7 +104,14 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
            "activations": activations * BYTES_PER_VALUE,
            "input": first.node.out_elems * group_batch // plan.share(first.out_layout) * BYTES_PER_VALUE,
            "transient": transient * BYTES_PER_VALUE,
-           "update": 2 * grads * BYTES_PER_VALUE,
+           "update": (1 + min(slots_per_parameter, 1)) * grads * BYTES_PER_VALUE,
            "reduction_buffers": buffers * BYTES_PER_VALUE}
     out["total"] = sum(out.values())
     return out
+
+
+def host_bytes(plan: PlacementPlan, batch_rows: int) -> dict:
+    """{"input_pipeline", "total"}: host memory of one process's training input, for the
+    `batch_rows` rows of each global batch that this process reads."""
+    pipeline = INPUT_PIPELINE_BATCHES * batch_rows * plan.layers[0].node.out_elems * BYTES_PER_VALUE
+    return {"input_pipeline": pipeline, "total": pipeline}
