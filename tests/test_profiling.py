@@ -20,7 +20,7 @@ from tf_multigpu.profiling import xspace
 SMALL_CONVNET_PARAMS = 226_570
 # small_convnet on 8x8 digits, filter_split on `model`: the outputs that are gathered are
 # conv1 (8x8x32), pool2 (4x4x64), pool3 (2x2x128) and fc1 (256) floats per example.
-SPLIT_OUTPUT_FLOATS = 8 * 8 * 32 + 4 * 4 * 64 + 2 * 2 * 128 + 256
+SPLIT_OUTPUT_FLOATS = 8 * 8 * 32 + 4 * 4 * 64 + 2 * 2 * 128 + 256 + 10   # ... and the logits, for the accuracy
 CONV_PARAMS = (3 * 3 * 1 * 32 + 32) + (3 * 3 * 32 * 64 + 64) + (3 * 3 * 64 * 128 + 128)
 BATCH = 64
 

@@ -25,7 +25,8 @@ def minimum_bytes(plan: PlacementPlan, global_batch: int) -> dict:
     from the placement plan.
 
     `forward_activation_payload` is the size of the activations gathered forward (before
-    any algorithm factor): what the measured forward all-gathers must add up to.
+    any algorithm factor): what the measured forward all-gathers must add up to, the split
+    logits' gather for the accuracy included (training/step.py takes their argmax).
     """
     group_batch = global_batch // plan.mesh["batch"]
     m = plan.mesh["model"]
@@ -49,4 +50,9 @@ def minimum_bytes(plan: PlacementPlan, global_batch: int) -> dict:
         elif layer.kernel_split and not split_input and layer.needs_input_grad:
             # partial input gradients, all-reduced
             out["activations"] += 2 * share * group_batch * layer.node.in_elems * BYTES_PER_VALUE
+    last = plan.layers[-1]
+    if last.out_layout != WHOLE:   # split logits: the accuracy's argmax gathers them (forward only)
+        nbytes = group_batch * last.node.out_elems * BYTES_PER_VALUE
+        out["activations"] += share * nbytes
+        out["forward_activation_payload"] += nbytes
     return out
