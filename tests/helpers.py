@@ -22,8 +22,9 @@ def one_step(strategy, devices, source, images, labels, steps=1, model="small_co
     SGD steps on the same global batch, with the model's real dropout."""
     global_batch = len(labels)
     cfg = Config(run_dir="unused", strategy=strategy, model=model, batch_size=global_batch,
-                 lr_schedule="constant", learning_rate=learning_rate, **cfg_kwargs)
-    par = make_parallelism(strategy, devices, global_batch, mesh=mesh, layout=layout, batchnorm=cfg.batchnorm)
+                 lr_schedule="constant", learning_rate=learning_rate, mesh=mesh, layout=layout, **cfg_kwargs)
+    par = make_parallelism(strategy, devices, global_batch, mesh_shape=cfg.mesh_shape, layout=layout,
+                           batchnorm=cfg.batchnorm)
     model_, optimizer = build_model_and_optimizer(cfg, par, source, steps)
     before = Weights([par.to_numpy(v) for v in model_.weights], model_)   # BatchNorm's moving statistics too
     batch = tf.data.Dataset.from_tensors((images, labels)).repeat()

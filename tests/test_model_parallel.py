@@ -33,7 +33,7 @@ def _build(devices, model, dataset, layout="filter_split", strategy="model", mes
     source = load_source(dataset)
     cfg = Config(run_dir="unused", strategy=strategy, model=model, dataset=dataset, batch_size=32,
                  mesh=mesh, layout=layout)
-    par = make_parallelism(strategy, devices[:n], 32, mesh=mesh, layout=layout)
+    par = make_parallelism(strategy, devices[:n], 32, mesh_shape=cfg.mesh_shape, layout=layout)
     model_, optimizer = build_model_and_optimizer(cfg, par, source, 10)
     return par, model_, optimizer
 

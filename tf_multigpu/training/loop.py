@@ -48,8 +48,8 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
                          test_fraction=cfg.test_fraction, skip_bad_images=cfg.skip_bad_images,
                          input_threads=cfg.input_threads)
     cfg, plan = resolve_strategy(cfg, devices, source)   # --strategy=auto: the planner's top plan
-    par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh,
-                           cfg.layout, cfg.layout_rules, runtime=runtime, batchnorm=cfg.batchnorm)
+    par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh_shape,
+                           cfg.layout, cfg.layout_rule_list, runtime=runtime, batchnorm=cfg.batchnorm)
     role = WorkerRole(runtime, shared_checkpoints=cfg.strategy in ("model", "hybrid"))
     cfg.check_devices(par.num_replicas)
     per_epoch = steps_per_epoch(source, cfg.batch_size)
@@ -160,7 +160,7 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
     plain = _plain_copy(cfg, source, model, par) if cfg.export else None
     export_dir = None if not (cfg.export and role.is_chief) else export_saved_model(
         plain, source, paths.export,
-        metadata={"config": cfg.__dict__, "class_names": list(source.class_names),
+        metadata={"config": cfg.to_dict(), "class_names": list(source.class_names),
                   "input_shape": list(source.image_shape), "pixel_dtype": source.pixel_dtype.name,
                   "metrics": test_metrics, "step": total_steps},
         checkpoint=manager.latest_checkpoint)
@@ -208,9 +208,9 @@ def _check_fits(cfg, memory: dict, par) -> None:
 
 def _profiler(cfg, paths, par, model, start, total_steps):
     """The StepProfiler for --profile_steps (None without it, or when the run is past it)."""
-    if not cfg.profile_steps:
+    if not cfg.profile_range:
         return None
-    profiler = StepProfiler(cfg.profile_steps, paths.tensorboard, paths.comm_report, par, model, meta={
+    profiler = StepProfiler(cfg.profile_range, paths.tensorboard, paths.comm_report, par, model, meta={
         "strategy": par.name, "devices": par.devices, "mesh": par.mesh_shape,
         "global_batch": cfg.batch_size, "model": cfg.model})
     if profiler.last > total_steps:

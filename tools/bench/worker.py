@@ -94,9 +94,9 @@ def _time_ours(run, devices) -> dict:
     total = run.warmup_steps + run.timed_steps
     cfg = Config(run_dir="unused", strategy=run.strategy, model=run.model, dataset=run.dataset,
                  image_size=run.image_size, batch_size=run.batch, lr_schedule="constant",
-                 learning_rate=0.01, seed=run.seed, dtype=run.dtype, xla=run.xla)
+                 learning_rate=0.01, seed=run.seed, dtype=run.dtype, xla=run.xla, mesh=run.mesh)
     source, make = _source_and_batches(run, run.batch, run.batch)
-    par = make_parallelism(run.strategy, devices, run.batch, mesh=run.mesh)
+    par = make_parallelism(run.strategy, devices, run.batch, mesh_shape=cfg.mesh_shape)
     cfg.check_devices(par.num_replicas)
     model, optimizer = build_model_and_optimizer(cfg, par, source, total)
     memory = bytes_per_device(par.plan, run.batch)
