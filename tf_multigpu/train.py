@@ -13,6 +13,7 @@ from absl import flags
 
 from tf_multigpu import cli
 from tf_multigpu.cli import DOES_NOT_FIT
+from tf_multigpu.config import check_cluster
 from tf_multigpu.config import flags as run_flags
 from tf_multigpu.config.workload_flags import WORKLOAD_FLAGS
 from tf_multigpu.errors import DoesNotFit, UsageError
@@ -29,13 +30,7 @@ def main(argv):
         cli.start_tensorflow()   # quietly, before anything below imports it
         from tf_multigpu.parallel import cluster as clusters
         cluster = clusters.resolve_cluster(cfg.worker_hosts, cfg.task_index)
-        if cluster and cfg.strategy == "single":
-            raise UsageError(f"--strategy=single runs in one process, but {cluster.source} describes "
-                             f"{cluster.num_workers} workers: use --strategy=data, model or hybrid")
-        if cluster and (cfg.device_memory_limit or cfg.logical_gpus > 1):
-            # The workers' runtime starts on whole devices; refused rather than silently ignored.
-            raise UsageError(f"--device_memory_limit and --logical_gpus apply to one process, but {cluster.source} "
-                             f"describes {cluster.num_workers} workers: drop them")
+        check_cluster(cfg, cluster)   # before a worker's runtime waits for its peers
         if cfg.profile_steps and cfg.strategy in ("model", "hybrid"):
             # Before TensorFlow runs anything: the report reads DTensor's lowered step graph.
             from tf_multigpu.profiling.collectives import enable_graph_dumps

@@ -174,14 +174,6 @@ class Config:
                              "point it at the TFDS data directory (e.g. ~/tensorflow_datasets)")
         return self
 
-    def check_devices(self, num_replicas: int) -> None:
-        """Checks what depends on the number of data-parallel replicas."""
-        if self.batch_size % num_replicas:
-            lower = self.batch_size - self.batch_size % num_replicas
-            raise UsageError(
-                f"--batch_size={self.batch_size} (the global batch) does not divide by the "
-                f"{num_replicas} replicas: use a multiple of {num_replicas}, e.g. --batch_size={lower or num_replicas}")
-
     def to_dict(self) -> dict:
         """The flags' values (what config.json holds; the parsed values follow from them)."""
         return {name: getattr(self, name) for name in flag_names()}

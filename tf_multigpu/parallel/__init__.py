@@ -27,23 +27,22 @@ def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str 
     `runtime` (parallel/cluster.py), over every device of every worker.
 
     `mesh_shape` is --mesh parsed (None: the strategy's default mesh, `mesh_spec.mesh_for`) and
-    `layout_rules` --layout_rules parsed (`layouts.parse_rules`); the config holds both.
-    `batchnorm` (sync or per_replica) is for data parallelism: a DTensor mesh computes
-    BatchNormalization's statistics over the global batch by itself."""
+    `layout_rules` --layout_rules parsed (`layouts.parse_rules`); the config holds both, and
+    `config/plan_checks.py: check_plan` has checked them against the devices. `batchnorm` (sync or
+    per_replica) is for data parallelism: a DTensor mesh computes BatchNormalization's
+    statistics over the global batch by itself."""
     from tf_multigpu.parallel.tf_distribute import DistributeParallelism
     if runtime is not None and strategy == "data":
-        return DistributeParallelism.multi_worker(runtime, global_batch, all_reduce, batchnorm)
+        return DistributeParallelism.multi_worker(runtime, global_batch, batchnorm)
     if strategy in ("single", "data"):
         return DistributeParallelism.create(strategy, devices, global_batch, all_reduce, batchnorm)
-    from tf_multigpu.parallel.dtensor_mesh import DTensorParallelism, check_mesh
+    from tf_multigpu.parallel.dtensor_mesh import DTensorParallelism
     from tf_multigpu.parallel.layouts import BATCH_ON_MODEL
     local = None
     if runtime is not None:
         devices, local = runtime.all_devices, runtime.local_devices
-    shape = mesh_for(strategy, mesh_shape, len(devices))
-    check_mesh(strategy, shape, len(devices), len(local) if local else 0)
-    return DTensorParallelism(strategy, devices, shape, layout, layout_rules, global_batch,
-                              local_devices=local, batch_on_model=layout in BATCH_ON_MODEL)
+    return DTensorParallelism(strategy, devices, mesh_for(strategy, mesh_shape, len(devices)), layout,
+                              layout_rules, global_batch, local_devices=local, batch_on_model=layout in BATCH_ON_MODEL)
 
 
 def __getattr__(name: str):

@@ -127,7 +127,7 @@ class Plan:
 
 
 def candidates(num_devices: int) -> list[tuple[str, int, int, str]]:
-    """(strategy, B, M, layout) for every plan on `num_devices` that check_mesh allows."""
+    """(strategy, B, M, layout) for every plan on `num_devices` that config/plan_checks.py allows."""
     out = [("single", 1, 1, "")]
     if num_devices > 1:
         out.append(("data", num_devices, 1, ""))

@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tf_multigpu.config import Config
+from tf_multigpu.config import Config, check_plan
 from tf_multigpu.data import load_source
 from tf_multigpu.data.pipeline import steps_per_epoch, test_dataset, train_dataset
 from tf_multigpu.data.throughput import InputCheck
@@ -48,10 +48,10 @@ def train(cfg: Config, devices: list[str], runtime=None) -> dict:
                          test_fraction=cfg.test_fraction, skip_bad_images=cfg.skip_bad_images,
                          input_threads=cfg.input_threads)
     cfg, plan = resolve_strategy(cfg, devices, source)   # --strategy=auto: the planner's top plan
+    check_plan(cfg, runtime.all_devices if runtime else devices, runtime.cluster if runtime else None)
     par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh_shape,
                            cfg.layout, cfg.layout_rule_list, runtime=runtime, batchnorm=cfg.batchnorm)
     role = WorkerRole(runtime, shared_checkpoints=cfg.strategy in ("model", "hybrid"))
-    cfg.check_devices(par.num_replicas)
     per_epoch = steps_per_epoch(source, cfg.batch_size)
     paths = run_dir.check_previous_run(cfg)
     total_steps = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * per_epoch)

@@ -85,7 +85,7 @@ def _time_ours(run, devices) -> dict:
     """Our training step, built as the training loop builds it (tests/helpers.py one_step)."""
     import tensorflow as tf
 
-    from tf_multigpu.config import Config
+    from tf_multigpu.config import Config, check_plan
     from tf_multigpu.parallel import make_parallelism
     from tf_multigpu.parallel.memory import bytes_per_device
     from tf_multigpu.training.loop import build_model_and_optimizer
@@ -96,8 +96,8 @@ def _time_ours(run, devices) -> dict:
                  image_size=run.image_size, batch_size=run.batch, lr_schedule="constant",
                  learning_rate=0.01, seed=run.seed, dtype=run.dtype, xla=run.xla, mesh=run.mesh)
     source, make = _source_and_batches(run, run.batch, run.batch)
+    check_plan(cfg, devices)
     par = make_parallelism(run.strategy, devices, run.batch, mesh_shape=cfg.mesh_shape)
-    cfg.check_devices(par.num_replicas)
     model, optimizer = build_model_and_optimizer(cfg, par, source, total)
     memory = bytes_per_device(par.plan, run.batch)
     iterator = iter(par.distribute(make))
