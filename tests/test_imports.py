@@ -48,8 +48,11 @@ def test_imports_flow_one_way(subpackage):
 
 
 def test_the_config_and_the_mesh_parser_do_not_start_tensorflow():
-    """The entry point builds the config before it starts TensorFlow quietly (cli.py)."""
-    code = ("import sys, tf_multigpu.config, tf_multigpu.parallel.mesh_spec, tf_multigpu.parallel.layouts\n"
+    """The entry point builds and validates the config (a --profile name included) before it
+    starts TensorFlow quietly (cli.py)."""
+    code = ("import sys, tf_multigpu.parallel.mesh_spec\n"
+            "from tf_multigpu.config import Config\n"
+            "Config(run_dir='r', strategy='auto', mesh='', profile='yadan2013').validate()\n"
             "print('tensorflow' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
