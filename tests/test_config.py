@@ -50,7 +50,7 @@ def test_bad_values_name_the_fix(change, needle):
 
 
 def test_global_batch_must_divide_by_replicas():
-    cfg = Config(run_dir="r", batch_size=30)
+    cfg = Config(batch_size=30)   # check_plan needs no run directory
     check_plan(cfg, CPUS[:3])
     with pytest.raises(UsageError,
                        match=r"does not divide by the 4 replicas: use a multiple of 4, e.g. --batch_size=28"):
@@ -70,7 +70,7 @@ def test_global_batch_must_divide_by_replicas():
 ])
 def test_plans_the_devices_cannot_run_name_the_fix(change, num_devices, needle):
     with pytest.raises(UsageError, match=needle):
-        check_plan(dataclasses.replace(Config(run_dir="r", batch_size=32), **change), CPUS[:num_devices])
+        check_plan(dataclasses.replace(Config(batch_size=32), **change), CPUS[:num_devices])
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -83,8 +83,8 @@ def test_plans_the_devices_cannot_run_name_the_fix(change, num_devices, needle):
 def test_clusters_refuse_what_runs_in_one_process(change, needle):
     cluster = Cluster(("a:1", "b:2"), 0, "TF_CONFIG")
     with pytest.raises(UsageError, match=needle):
-        check_plan(dataclasses.replace(Config(run_dir="r", batch_size=48), **change), CPUS[:6], cluster)
-    check_plan(Config(run_dir="r", batch_size=48), CPUS[:6], cluster)
+        check_plan(dataclasses.replace(Config(batch_size=48), **change), CPUS[:6], cluster)
+    check_plan(Config(batch_size=48), CPUS[:6], cluster)
 
 
 def test_json_round_trip(tmp_path):
