@@ -99,7 +99,7 @@ def build_run(cfg: Config, devices: list[str], runtime=None, *, source: ImageSou
     """
     check_plan(cfg, runtime.all_devices if runtime else devices, runtime.cluster if runtime else None)
     get_factory(cfg.model)   # an unknown model is reported before anything is built
-    source = source or load_run_source(cfg)
+    source = load_run_source(cfg) if source is None else source
     par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh_shape,
                            cfg.layout, cfg.layout_rule_list, runtime=runtime, batchnorm=cfg.batchnorm)
     role = WorkerRole(runtime, shared_checkpoints=cfg.strategy in ("model", "hybrid"))
