@@ -11,26 +11,21 @@ import numpy as np
 import tensorflow as tf
 
 from tf_multigpu.config import Config
-from tf_multigpu.parallel import make_parallelism
-from tf_multigpu.training.loop import build_model_and_optimizer
-from tf_multigpu.training.step import make_train_step
+from tf_multigpu.training.run import build_run
 
 
 def one_step(strategy, devices, source, images, labels, steps=1, model="small_convnet",
              learning_rate=1.0, mesh="", layout="filter_split", **cfg_kwargs):
     """Initial and final weights (numpy; BatchNorm's moving statistics included) after `steps`
-    SGD steps on the same global batch, with the model's real dropout."""
-    global_batch = len(labels)
-    cfg = Config(run_dir="unused", strategy=strategy, model=model, batch_size=global_batch,
-                 lr_schedule="constant", learning_rate=learning_rate, **cfg_kwargs)
-    par = make_parallelism(strategy, devices, global_batch, mesh=mesh, layout=layout, batchnorm=cfg.batchnorm)
-    model_, optimizer = build_model_and_optimizer(cfg, par, source, steps)
-    before = Weights([par.to_numpy(v) for v in model_.weights], model_)   # BatchNorm's moving statistics too
+    SGD steps on the same global batch, with the model's real dropout: a run in memory
+    (build_run, as the training loop builds it) fed `images, labels` every step."""
+    cfg = Config(strategy=strategy, model=model, batch_size=len(labels), steps=steps, lr_schedule="constant",
+                 learning_rate=learning_rate, mesh=mesh, layout=layout, **cfg_kwargs)
+    run = build_run(cfg, devices, source=source)
+    before = Weights([run.par.to_numpy(v) for v in run.model.weights], run.model)   # moving statistics too
     batch = tf.data.Dataset.from_tensors((images, labels)).repeat()
-    it = iter(par.distribute(lambda b: batch.unbatch().batch(b, drop_remainder=True)))
-    fn = par.compile(make_train_step(model_, optimizer, global_batch, jit_compile=cfg.xla))
-    fn(it, tf.constant(steps))
-    return before, [par.to_numpy(v) for v in model_.weights]
+    run.train_fn(iter(run.par.distribute(lambda b: batch.unbatch().batch(b, drop_remainder=True))), tf.constant(steps))
+    return before, [run.par.to_numpy(v) for v in run.model.weights]
 
 
 class Weights(list):

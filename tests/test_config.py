@@ -1,11 +1,15 @@
-"""The config: validation with the fix in the message, JSON round trip, resume checks."""
+"""The config: validation with the fix in the message (flags alone; on devices and clusters),
+JSON round trip, resume checks."""
 
 import dataclasses
 
 import pytest
 
-from tf_multigpu.config import Config, check_resumable, load_config
+from tf_multigpu.config import Config, check_plan, check_resumable, load_config
 from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.cluster import Cluster
+
+CPUS = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(8)]
 
 
 def test_defaults_are_valid():
@@ -46,11 +50,41 @@ def test_bad_values_name_the_fix(change, needle):
 
 
 def test_global_batch_must_divide_by_replicas():
-    cfg = Config(run_dir="r", batch_size=30)
-    cfg.check_devices(3)
+    cfg = Config(batch_size=30)   # check_plan needs no run directory
+    check_plan(cfg, CPUS[:3])
     with pytest.raises(UsageError,
                        match=r"does not divide by the 4 replicas: use a multiple of 4, e.g. --batch_size=28"):
-        cfg.check_devices(4)
+        check_plan(cfg, CPUS[:4])
+    check_plan(dataclasses.replace(cfg, strategy="hybrid", mesh="batch:3,model:2"), CPUS[:6])
+    with pytest.raises(UsageError, match="does not divide by the 4 replicas"):
+        check_plan(dataclasses.replace(cfg, strategy="hybrid"), CPUS[:8])   # default mesh batch:4,model:2
+
+
+@pytest.mark.parametrize("change, num_devices, needle", [
+    ({"strategy": "model", "mesh": "batch:2,model:2"}, 2, "needs 4 devices but 2 are used"),
+    ({"strategy": "model", "mesh": "batch:2,model:2"}, 4, "--strategy=model puts every device on the model axis"),
+    ({"strategy": "hybrid"}, 2, "--strategy=hybrid needs both mesh axes > 1, not batch:1,model:2"),
+    ({"strategy": "model", "layout": "conv_data_fc_model", "batch_size": 30}, 4,
+     "does not divide by the 4 devices conv_data_fc_model splits it over"),
+    ({"all_reduce": "nccl"}, 2, "--all_reduce=nccl needs GPUs"),
+])
+def test_plans_the_devices_cannot_run_name_the_fix(change, num_devices, needle):
+    with pytest.raises(UsageError, match=needle):
+        check_plan(dataclasses.replace(Config(batch_size=32), **change), CPUS[:num_devices])
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"strategy": "single"}, "--strategy=single runs on one device, but TF_CONFIG describes 2 workers"),
+    ({"device_memory_limit": 100}, "--device_memory_limit and --logical_gpus apply to one process"),
+    ({"all_reduce": "one_device"}, "--all_reduce=one_device is for one process"),
+    ({"strategy": "model", "layout": "conv_data_fc_model"}, "conv_data_fc_model runs in one process"),
+    ({"strategy": "hybrid", "mesh": "batch:3,model:2"}, "the model axis must divide or be a multiple"),
+])
+def test_clusters_refuse_what_runs_in_one_process(change, needle):
+    cluster = Cluster(("a:1", "b:2"), 0, "TF_CONFIG")
+    with pytest.raises(UsageError, match=needle):
+        check_plan(dataclasses.replace(Config(batch_size=48), **change), CPUS[:6], cluster)
+    check_plan(Config(batch_size=48), CPUS[:6], cluster)
 
 
 def test_json_round_trip(tmp_path):

@@ -75,16 +75,16 @@ def _test_images(source):
 def _train_keeping_the_live_model(cfg, devices):
     """Trains in-process; returns the summary and the trained (distributed) model itself."""
     live = {}
-    original = loop.build_model_and_optimizer
+    original = loop.build_run
 
     def capture(*args, **kwargs):
-        live["model"], optimizer = original(*args, **kwargs)
-        return live["model"], optimizer
+        live["run"] = original(*args, **kwargs)
+        return live["run"]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loop, "build_model_and_optimizer", capture)
+        patch.setattr(loop, "build_run", capture)
         summary = loop.train(cfg, devices)
-    return summary, live["model"]
+    return summary, live["run"].model
 
 
 @pytest.fixture(scope="module")

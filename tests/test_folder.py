@@ -5,6 +5,7 @@ val/) and train on them from the command line; the rest check listing, splitting
 resume, sharding and each bad-data case in-process, in well under a second each.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -234,7 +235,7 @@ def test_killed_folder_run_resumes_to_the_weights_of_an_uninterrupted_run(digits
     resumed_dir = str(tmp_path / "resumed")
     shutil.copytree(cfg.run_dir, resumed_dir)
     keep_only_checkpoint(resumed_dir, 3)    # as if killed right after the checkpoint of step 3
-    train(Config(**{**cfg.__dict__, "run_dir": resumed_dir}), devices[:2])
+    train(dataclasses.replace(cfg, run_dir=resumed_dir), devices[:2])
     resumed = checkpoint_values(resumed_dir)
     assert whole.keys() == resumed.keys()
     for name in whole:

@@ -16,26 +16,21 @@ from tensorflow.experimental import dtensor
 from tests.conftest import REPO, run_cli
 from tests.helpers import checkpoint_values, keep_only_checkpoint, serve_digits
 from tf_multigpu.config import Config
-from tf_multigpu.data import load_source
 from tf_multigpu.errors import UsageError
 from tf_multigpu.models import build_model
-from tf_multigpu.parallel import make_parallelism
 from tf_multigpu.parallel.layouts import assign_specs, parse_rules
 from tf_multigpu.parallel.memory import bytes_per_device, saved_elems
 from tf_multigpu.parallel.placement import make_plan, model_graph, policy_rules
 from tf_multigpu.profiling.analytic import minimum_bytes
-from tf_multigpu.training.loop import build_model_and_optimizer
+from tf_multigpu.training.run import build_run
 
 MESH_1X4 = "batch:1,model:4"
 
 
 def _build(devices, model, dataset, layout="filter_split", strategy="model", mesh=MESH_1X4, n=4):
-    source = load_source(dataset)
-    cfg = Config(run_dir="unused", strategy=strategy, model=model, dataset=dataset, batch_size=32,
-                 mesh=mesh, layout=layout)
-    par = make_parallelism(strategy, devices[:n], 32, mesh=mesh, layout=layout)
-    model_, optimizer = build_model_and_optimizer(cfg, par, source, 10)
-    return par, model_, optimizer
+    run = build_run(Config(strategy=strategy, model=model, dataset=dataset, batch_size=32, steps=10,
+                           mesh=mesh, layout=layout), devices[:n])
+    return run.par, run.model, run.optimizer
 
 
 def test_each_split_kernel_holds_one_mth_per_device(devices):
@@ -94,8 +89,6 @@ def test_conv_data_fc_model_is_data_parallel_convs_and_model_parallel_dense(devi
     gathered = 32 * (9216 + 4096 + 4096) * 4   # fc6's input (the batch), fc7's and logits' (the units)
     assert minimum["forward_activation_payload"] == gathered
     assert minimum["activations"] == pytest.approx(2 * 3 / 4 * gathered)
-    with pytest.raises(UsageError, match="does not divide by the 4 devices conv_data_fc_model splits it over"):
-        make_parallelism("model", devices[:4], 30, layout="conv_data_fc_model")
 
 
 def test_layout_rules_are_checked():

@@ -111,12 +111,12 @@ def test_plans_that_do_not_fit_are_marked_and_never_recommended(alexnet_cost):
         _ = planner.plan_table(alexnet_cost, _profile(memory_bytes=2**20), 4, 256).best
 
 
-def test_every_candidate_mesh_is_one_check_mesh_allows():
-    from tf_multigpu.parallel.dtensor_mesh import check_mesh
+def test_every_candidate_is_a_plan_check_plan_allows(devices):
+    from tf_multigpu.config import Config, check_plan
     labels = set()
     for strategy, b, m, layout in planner.predict.candidates(8):
-        if strategy in ("model", "hybrid"):
-            check_mesh(strategy, {"batch": b, "model": m}, 8)
+        mesh = f"batch:{b},model:{m}" if strategy in ("model", "hybrid") else ""
+        check_plan(Config(strategy=strategy, mesh=mesh, layout=layout or Config.layout, batch_size=64), devices[:8])
         labels.add((strategy, b, m, layout))
     assert ("hybrid", 4, 2, "fc_only") in labels and ("hybrid", 2, 4, "filter_split") in labels
     assert ("model", 1, 8, "filter_split") in labels and ("data", 8, 1, "") in labels

@@ -1,5 +1,6 @@
 """The loop: outputs, exact resume, resuming on another strategy, checkpoint refusal."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -45,7 +46,7 @@ def test_resume_ends_with_the_weights_of_an_uninterrupted_run(cfg, tmp_path, dev
     shutil.copytree(cfg.run_dir, resumed_dir)
     keep_only_checkpoint(resumed_dir, 4)
     capsys.readouterr()
-    summary = train(Config(**{**cfg.__dict__, "run_dir": resumed_dir}), devices[:2])
+    summary = train(dataclasses.replace(cfg, run_dir=resumed_dir), devices[:2])
     assert "steps 4..8" in capsys.readouterr().out
     resumed = checkpoint_values(resumed_dir)
     assert summary["step"] == 8 and whole.keys() == resumed.keys()
@@ -57,7 +58,7 @@ def test_checkpoint_from_data_parallel_resumes_on_one_device(cfg, tmp_path, devi
     train(cfg, devices[:4])
     whole = checkpoint_values(cfg.run_dir)
     keep_only_checkpoint(cfg.run_dir, 4)
-    train(Config(**{**cfg.__dict__, "strategy": "single"}), devices[:1])
+    train(dataclasses.replace(cfg, strategy="single"), devices[:1])
     single = checkpoint_values(cfg.run_dir)
     for name in whole:
         if "kernel" in name and "OPTIMIZER_SLOT" not in name:
@@ -65,7 +66,7 @@ def test_checkpoint_from_data_parallel_resumes_on_one_device(cfg, tmp_path, devi
 
 
 def test_corrupt_checkpoint_is_refused_and_kept(cfg, devices):
-    train(Config(**{**cfg.__dict__, "steps": 4}), devices[:2])
+    train(dataclasses.replace(cfg, steps=4), devices[:2])
     data_file = glob.glob(os.path.join(cfg.run_dir, "checkpoints", "ckpt-4.data-*"))[0]
     with open(data_file, "r+b") as f:
         f.truncate(100)
@@ -75,7 +76,7 @@ def test_corrupt_checkpoint_is_refused_and_kept(cfg, devices):
 
 
 def test_steps_zero_exports_the_initial_model(cfg, devices):
-    summary = train(Config(**{**cfg.__dict__, "steps": 0}), devices[:2])
+    summary = train(dataclasses.replace(cfg, steps=0), devices[:2])
     assert summary["step"] == 0
     assert 0.0 <= summary["test_accuracy"] < 0.5      # untrained
     assert os.path.exists(os.path.join(cfg.run_dir, "export", "saved_model.pb"))

@@ -1,10 +1,11 @@
 """tf-multigpu-train: the command-line entry point (also `python -m tf_multigpu.train`).
 
-Intentionally short: parse flags, build one validated config, find the cluster (if any),
-start TensorFlow quietly (`cli.start_tensorflow`), configure the devices or start the
-multi-worker runtime (before TensorFlow initialises), and call the training loop. Bad input
-prints one line and exits 2; a SIGTERM stops after a checkpoint with status 143; a lost worker
-is one line and status 1.
+Intentionally short: parse flags, build one validated config, find the cluster (if any) and
+check the flags against it, start TensorFlow quietly (`cli.start_tensorflow`), configure the
+devices or start the multi-worker runtime (before TensorFlow initialises), resolve
+--strategy=auto with the planner, and call the training loop (which checks the plan against
+the devices: config/plan_checks.py). Bad input prints one line and exits 2; a SIGTERM stops
+after a checkpoint with status 143; a lost worker is one line and status 1.
 """
 
 import json
@@ -13,6 +14,7 @@ from absl import flags
 
 from tf_multigpu import cli
 from tf_multigpu.cli import DOES_NOT_FIT
+from tf_multigpu.config import check_cluster
 from tf_multigpu.config import flags as run_flags
 from tf_multigpu.config.workload_flags import WORKLOAD_FLAGS
 from tf_multigpu.errors import DoesNotFit, UsageError
@@ -29,13 +31,7 @@ def main(argv):
         cli.start_tensorflow()   # quietly, before anything below imports it
         from tf_multigpu.parallel import cluster as clusters
         cluster = clusters.resolve_cluster(cfg.worker_hosts, cfg.task_index)
-        if cluster and cfg.strategy == "single":
-            raise UsageError(f"--strategy=single runs in one process, but {cluster.source} describes "
-                             f"{cluster.num_workers} workers: use --strategy=data, model or hybrid")
-        if cluster and (cfg.device_memory_limit or cfg.logical_gpus > 1):
-            # The workers' runtime starts on whole devices; refused rather than silently ignored.
-            raise UsageError(f"--device_memory_limit and --logical_gpus apply to one process, but {cluster.source} "
-                             f"describes {cluster.num_workers} workers: drop them")
+        check_cluster(cfg, cluster)   # before a worker's runtime waits for its peers
         if cfg.profile_steps and cfg.strategy in ("model", "hybrid"):
             # Before TensorFlow runs anything: the report reads DTensor's lowered step graph.
             from tf_multigpu.profiling.collectives import enable_graph_dumps
@@ -50,7 +46,8 @@ def main(argv):
             runtime = None
             devices = configure_devices(1 if cfg.strategy == "single" else cfg.num_devices, cfg.cpu_devices,
                                         cfg.device_memory_limit, cfg.logical_gpus)
-        summary = _train_or_report_oom(train, cfg, devices, runtime)
+        cfg, source, prediction = _resolve_auto(cfg, devices)
+        summary = _train_or_report_oom(train, cfg, devices, runtime, source=source, prediction=prediction)
     except DoesNotFit as e:
         _fail(str(e), DOES_NOT_FIT)
     except UsageError as e:
@@ -65,11 +62,25 @@ def main(argv):
     print(json.dumps(summary, sort_keys=True), flush=True)
 
 
-def _train_or_report_oom(train, cfg, devices, runtime):
+def _resolve_auto(cfg, devices):
+    """(cfg, the data set or None, the planner's prediction or None): --strategy=auto replaced
+    by the planner's top plan for these devices. The data set it loaded goes on to the run."""
+    if cfg.strategy != "auto":
+        return cfg, None, None
+    from tf_multigpu.models import get_factory
+    from tf_multigpu.planner.auto import resolve_strategy
+    from tf_multigpu.training.run import load_run_source
+    get_factory(cfg.model)   # an unknown model is reported before the data set is loaded
+    source = load_run_source(cfg)
+    cfg, prediction = resolve_strategy(cfg, devices, source)
+    return cfg, source, prediction
+
+
+def _train_or_report_oom(train, cfg, devices, runtime, **kwargs):
     """train(), with the runtime's out-of-memory error turned into DoesNotFit (one line)."""
     import tensorflow as tf
     try:
-        return train(cfg, devices, runtime)
+        return train(cfg, devices, runtime, **kwargs)
     except tf.errors.ResourceExhaustedError as e:
         first_line = str(e).strip().splitlines()[0][:200]
         raise DoesNotFit(f"out of device memory with --strategy={cfg.strategy} --batch_size={cfg.batch_size} "

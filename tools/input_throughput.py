@@ -61,17 +61,14 @@ def step_images_per_sec(source, devices):
 
     from tf_multigpu.config import Config
     from tf_multigpu.data.pipeline import train_dataset
-    from tf_multigpu.parallel import make_parallelism
-    from tf_multigpu.training.loop import build_model_and_optimizer
-    from tf_multigpu.training.step import make_train_step
+    from tf_multigpu.training.run import build_run
 
-    cfg = Config(run_dir="unused", strategy=FLAGS.strategy, model=FLAGS.model, batch_size=FLAGS.batch_size)
-    par = make_parallelism(cfg.strategy, devices, cfg.batch_size)
-    model, optimizer = build_model_and_optimizer(cfg, par, source, 10 ** 6)
+    cfg = Config(strategy=FLAGS.strategy, model=FLAGS.model, batch_size=FLAGS.batch_size, steps=10 ** 6)
+    run = build_run(cfg, devices, source=source)   # a run in memory
     images, labels = next(iter(train_dataset(source, seed=0, global_batch=cfg.batch_size, batch_size=cfg.batch_size)))
     batch = tf.data.Dataset.from_tensors((images, labels)).repeat()
-    it = iter(par.distribute(lambda b: batch.unbatch().batch(b, drop_remainder=True)))
-    step = par.compile(make_train_step(model, optimizer, cfg.batch_size))
+    it = iter(run.par.distribute(lambda b: batch.unbatch().batch(b, drop_remainder=True)))
+    step = run.train_fn
     step(it, tf.constant(2))["count"].numpy()                 # tracing, warm-up
     steps, start = 0, time.perf_counter()
     while steps < 3 or time.perf_counter() - start < FLAGS.seconds:

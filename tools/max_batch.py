@@ -20,9 +20,9 @@ from absl import flags
 
 from tf_multigpu import cli
 from tf_multigpu.cli import DOES_NOT_FIT
-from tf_multigpu.config.config import replicas_for
 from tf_multigpu.config.workload_flags import check_workload_flags, define_workload_flags
 from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.mesh_spec import replicas_for
 
 PROG = "max_batch"
 PROBE_FAILED = 1

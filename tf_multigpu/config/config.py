@@ -1,8 +1,14 @@
 """The frozen run configuration, validated once and written to the run directory.
 
-Everything below the entry point reads a Config, never flags. Validation that needs no
-devices happens in `Config.validate`; the checks that depend on the devices found (global
-batch vs replicas) happen in `Config.check_devices`, called once the devices are known.
+Everything below the entry point reads a Config, never flags. A Config holds its flags' values
+(what config.json records) and, parsed once when it is built, the values a run uses:
+`mesh_shape` (--mesh), `layout_rule_list` (--layout_rules) and `profile_range`
+(--profile_steps); nothing downstream parses those strings again. The rules that need no
+devices are `Config.validate`'s; the rules that need the devices or the cluster are
+`plan_checks.check_plan`'s, which `build_run` applies once the devices are known.
+
+This module must not import TensorFlow (the entry point builds the config before it starts
+TensorFlow quietly): the parsers it uses from `parallel/` are pure Python.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ import json
 import os
 
 from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.layouts import POLICIES, parse_rules
+from tf_multigpu.parallel.mesh_spec import parse_mesh
 
 STRATEGIES = ("single", "data", "model", "hybrid", "auto")   # auto: the planner picks (planner/auto.py)
-LAYOUTS = ("filter_split", "fc_only", "conv_data_fc_model")
+LAYOUTS = POLICIES   # parallel/layouts.py's built-in policies
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "one_device")
 LR_SCHEDULES = ("constant", "step", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -34,9 +42,12 @@ RESULT_FIELDS = (
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One training run. `batch_size` is the GLOBAL batch, split evenly over replicas."""
+    """One training run. `batch_size` is the GLOBAL batch, split evenly over replicas.
 
-    run_dir: str
+    `run_dir=None` is a run in memory (`build_run` for tests and benchmarks): it restores and
+    writes nothing. The command line requires --run_dir (`validate`)."""
+
+    run_dir: str | None = None
     strategy: str = "data"
     num_devices: int = 0          # 0: all devices found
     cpu_devices: int = 0          # 0: GPUs if any, else 2 logical CPU devices
@@ -76,6 +87,18 @@ class Config:
     task_index: int | None = None   # this worker's position in worker_hosts (0 is the chief)
     peer_timeout: int = 60        # seconds without a heartbeat before a worker is declared lost
 
+    # Parsed from the flags above when the config is built (a bad value is a UsageError then).
+    mesh_shape: dict | None = dataclasses.field(init=False, repr=False, compare=False)   # --mesh; None: derived
+    layout_rule_list: tuple = dataclasses.field(init=False, repr=False, compare=False)   # --layout_rules
+    profile_range: tuple | None = dataclasses.field(init=False, repr=False, compare=False)  # --profile_steps (A, B)
+
+    def __post_init__(self):
+        parsed = {"mesh_shape": parse_mesh(self.mesh) if self.mesh else None,
+                  "layout_rule_list": tuple(parse_rules(self.layout_rules)),
+                  "profile_range": parse_profile_steps(self.profile_steps) if self.profile_steps else None}
+        for name, value in parsed.items():
+            object.__setattr__(self, name, value)   # frozen: set once, here
+
     def validate(self) -> Config:
         """Checks every value that needs no devices; returns self for chaining."""
         if not self.run_dir:
@@ -107,9 +130,6 @@ class Config:
         if self.task_index is not None and not self.worker_hosts:
             raise UsageError(f"--task_index={self.task_index} needs --worker_hosts=HOST:PORT,HOST:PORT,... "
                              "(the same list on every worker)")
-        if self.worker_hosts and self.strategy == "single":
-            raise UsageError("--strategy=single runs on one device, not on --worker_hosts: "
-                             "use --strategy=data, model or hybrid")
         if self.steps is not None:
             _at_least("steps", self.steps, 0)
         if not self.epochs > 0:
@@ -123,13 +143,13 @@ class Config:
         if self.strategy == "single" and self.num_devices > 1:
             raise UsageError(f"--strategy=single uses one device but --num_devices={self.num_devices}: "
                              "drop --num_devices or use --strategy=data")
-        if self.mesh:
-            if self.strategy not in ("model", "hybrid"):
-                raise UsageError(f"--mesh applies to --strategy=model or hybrid, not {self.strategy}: drop --mesh")
-            parse_mesh(self.mesh)
+        if self.mesh and self.strategy not in ("model", "hybrid"):
+            raise UsageError(f"--mesh applies to --strategy=model or hybrid, not {self.strategy}: drop --mesh")
         if self.layout_rules and self.strategy not in ("model", "hybrid"):
             raise UsageError(f"--layout_rules applies to --strategy=model or hybrid, not {self.strategy}")
-        _one_of("layout", self.layout, LAYOUTS)
+        if self.layout not in LAYOUTS:
+            raise UsageError(f"unknown --layout={self.layout!r}: choose one of {', '.join(LAYOUTS)}, "
+                             "or give --layout_rules='REGEX=SPEC;...'")
         if self.layout == "conv_data_fc_model" and self.strategy == "hybrid":
             raise UsageError("--layout=conv_data_fc_model splits the batch over every device, and on a hybrid mesh "
                              "that is one tensor dimension over two mesh axes, which DTensor cannot shard: "
@@ -149,38 +169,21 @@ class Config:
                 raise UsageError(f"--profile applies to --strategy=auto, not {self.strategy}: drop --profile")
             from tf_multigpu.planner.device_profile import load
             load(self.profile)   # a bad name fails here, with the shipped names in the message
-        if self.profile_steps:
-            parse_profile_steps(self.profile_steps)
         if self.data_dir is not None and not os.access(self.data_dir, os.R_OK | os.X_OK):
             raise UsageError(f"--data_dir={self.data_dir} is not a readable directory: "
                              "point it at the TFDS data directory (e.g. ~/tensorflow_datasets)")
         return self
 
-    def check_devices(self, num_replicas: int) -> None:
-        """Checks what depends on the number of data-parallel replicas."""
-        if self.batch_size % num_replicas:
-            lower = self.batch_size - self.batch_size % num_replicas
-            raise UsageError(
-                f"--batch_size={self.batch_size} (the global batch) does not divide by the "
-                f"{num_replicas} replicas: use a multiple of {num_replicas}, e.g. --batch_size={lower or num_replicas}")
+    def to_dict(self) -> dict:
+        """The flags' values (what config.json holds; the parsed values follow from them)."""
+        return {name: getattr(self, name) for name in flag_names()}
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     def write(self, path: str) -> None:
         with open(path, "w") as f:
             f.write(self.to_json() + "\n")
-
-
-def parse_mesh(text: str) -> dict:
-    """`batch:B,model:M` -> {"batch": B, "model": M} (a missing axis has size 1)."""
-    shape = {}
-    for part in filter(None, text.split(",")):
-        axis, _, size = part.partition(":")
-        if axis not in ("batch", "model") or not size.isdigit() or int(size) < 1 or axis in shape:
-            raise UsageError(f"--mesh={text!r} is not batch:B,model:M with B, M >= 1, e.g. --mesh=batch:2,model:2")
-        shape[axis] = int(size)
-    return {"batch": shape.get("batch", 1), "model": shape.get("model", 1)}
 
 
 def parse_profile_steps(text: str) -> tuple[int, int]:
@@ -196,28 +199,16 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
     return first, last
 
 
-def mesh_for(strategy: str, mesh: str, num_devices: int) -> dict:
-    """The mesh shape: --mesh if given; else all devices on `model` (model), or pairs of
-    model-parallel devices, data parallel between the pairs (hybrid, as in the paper)."""
-    if mesh:
-        return parse_mesh(mesh)
-    if strategy == "model":
-        return {"batch": 1, "model": num_devices}
-    return {"batch": max(num_devices // 2, 1), "model": 2}
-
-
-def replicas_for(strategy: str, num_devices: int, mesh: str = "") -> int:
-    """Data-parallel replicas of a strategy on `num_devices`: the global batch splits this many ways."""
-    if strategy in ("model", "hybrid"):
-        return mesh_for(strategy, mesh, num_devices)["batch"]
-    return 1 if strategy == "single" else num_devices
+def flag_names() -> list[str]:
+    """The Config fields that are flags (the parsed values are not)."""
+    return [f.name for f in dataclasses.fields(Config) if f.init]
 
 
 def load_config(path: str) -> Config:
     """Reads a config written by `Config.write`."""
     with open(path) as f:
         values = json.load(f)
-    known = {f.name for f in dataclasses.fields(Config)}
+    known = set(flag_names())
     return Config(**{k: v for k, v in values.items() if k in known})
 
 

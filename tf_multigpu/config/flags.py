@@ -15,6 +15,7 @@ from tf_multigpu.config.config import (
     LR_SCHEDULES,
     STRATEGIES,
     Config,
+    flag_names,
 )
 from tf_multigpu.config.workload_flags import define_workload_flags
 
@@ -107,5 +108,4 @@ FLAGS = flags.FLAGS
 
 def config_from_flags(flag_values=FLAGS) -> Config:
     """The validated Config for the parsed flags."""
-    names = [f.name for f in Config.__dataclass_fields__.values()]
-    return Config(**{name: flag_values[name].value for name in names}).validate()
+    return Config(**{name: flag_values[name].value for name in flag_names()}).validate()

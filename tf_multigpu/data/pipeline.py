@@ -88,8 +88,8 @@ def _rows(ds, global_batch, shard):
     index, count = shard
     if count == 1:
         return ds
-    if global_batch % count:
-        raise UsageError(f"--batch_size={global_batch} does not divide by the {count} workers reading it")
+    if global_batch % count:   # check_plan refuses a global batch the replicas (so the workers) do not divide
+        raise ValueError(f"global batch {global_batch} does not divide by the {count} workers reading it")
     rows = global_batch // count
     keep = ds.enumerate().filter(lambda i, record: (i % global_batch) // rows == index)
     return keep.map(lambda i, record: record)

@@ -12,7 +12,6 @@ initial value would serve garbage without a warning, so it is an error.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 
@@ -45,7 +44,7 @@ def export_from_checkpoint(run_dir: str, checkpoint: str | None = None, export_d
     model = build_model(cfg.model, source.image_shape, source.num_classes)
     restore_weights(model, checkpoint)
     metadata = {
-        "config": dataclasses.asdict(cfg),
+        "config": cfg.to_dict(),
         "metrics": evaluate_model(model, source) if evaluate else {},
         "step": checkpoint_step(checkpoint),
     }

@@ -55,11 +55,8 @@ class Cluster:
 def resolve_cluster(worker_hosts: str = "", task_index: int | None = None,
                     environ=os.environ) -> Cluster | None:
     """The cluster this process belongs to, or None for a single-process run."""
-    if worker_hosts:
+    if worker_hosts:   # (--task_index without --worker_hosts: Config.validate refuses it)
         return _from_flags(worker_hosts, task_index)
-    if task_index is not None:
-        raise UsageError(f"--task_index={task_index} needs --worker_hosts=HOST:PORT,HOST:PORT,... "
-                         "(the same list on every worker)")
     if environ.get("TF_CONFIG"):
         return _from_tf_config(environ["TF_CONFIG"])
     if int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1")) or 1) > 1:

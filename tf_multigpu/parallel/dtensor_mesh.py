@@ -46,20 +46,12 @@ U = dtensor.UNSHARDED
 
 
 class DTensorParallelism:
-    """Runs the single-replica step on the global batch over a batch x model DTensor mesh."""
+    """Runs the single-replica step on the global batch over a batch x model DTensor mesh.
+
+    The mesh shape, the layout and the global batch are checked before (config/plan_checks.py)."""
 
     def __init__(self, name: str, devices, mesh_shape: dict, layout: str, user_rules, global_batch: int,
                  local_devices=None, batch_on_model: bool = False):
-        if batch_on_model and mesh_shape["batch"] > 1:
-            raise UsageError("conv_data_fc_model splits the batch over `model`, and DTensor cannot shard it over "
-                             "`batch` too: use mesh batch:1,model:N (--strategy=model)")
-        if batch_on_model and global_batch % mesh_shape["model"]:
-            raise UsageError(f"--batch_size={global_batch} (the global batch) does not divide by the "
-                             f"{mesh_shape['model']} devices conv_data_fc_model splits it over: use a multiple "
-                             f"of {mesh_shape['model']}")
-        if batch_on_model and local_devices is not None:
-            raise UsageError("conv_data_fc_model runs in one process (every device needs the whole batch's "
-                             "labels): use --layout=filter_split or fc_only across workers")
         # DTensor merges a step's independent all-reduces into one flat buffer (its
         # AllReduceCombineOptimization, read from the environment when a step is lowered). On a
         # mesh with a `batch` axis that is every gradient at once, assembled in a zero-filled
@@ -295,24 +287,4 @@ class _MeshBatches:
                     out.append(dtensor.pack([parts[d // self.per_group][k] for d in self.local_ids],
                                             dtensor.Layout.batch_sharded(self.mesh, self.axis, rank)))
             yield tuple(out)
-
-
-def check_mesh(strategy: str, mesh_shape: dict, num_devices: int, devices_per_worker: int = 0) -> None:
-    """The mesh must use exactly the devices, and match the strategy (and, across workers,
-    give each worker whole batch groups, or a whole number of workers to each group)."""
-    b, m = mesh_shape["batch"], mesh_shape["model"]
-    per = devices_per_worker
-    if per and b * m == num_devices and per % m and m % per:
-        raise UsageError(f"--mesh=batch:{b},model:{m} over workers of {per} devices: the model axis must "
-                         "divide or be a multiple of the devices per worker, "
-                         f"e.g. --mesh=batch:{num_devices // per},model:{per}")
-    if b * m != num_devices:
-        raise UsageError(f"--mesh=batch:{b},model:{m} needs {b * m} devices but {num_devices} are used: "
-                         f"make B*M = {num_devices} or set --num_devices={b * m}")
-    if strategy == "model" and b != 1:
-        raise UsageError(f"--strategy=model puts every device on the model axis, not --mesh=batch:{b},model:{m}: "
-                         "use --strategy=hybrid or --mesh=batch:1,model:N")
-    if strategy == "hybrid" and (b < 2 or m < 2):
-        raise UsageError(f"--strategy=hybrid needs both mesh axes > 1, not batch:{b},model:{m}: "
-                         "e.g. --mesh=batch:2,model:2, or use --strategy=data / --strategy=model")
 

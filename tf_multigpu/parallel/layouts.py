@@ -49,7 +49,8 @@ BATCH_ON_MODEL = ("conv_data_fc_model",)   # layouts that shard the input batch 
 
 
 def parse_rules(text: str) -> list[tuple[str, str]]:
-    """`REGEX=SPEC;REGEX=SPEC` (e.g. `.*conv1/kernel=-,-,-,model`) -> rules."""
+    """`REGEX=SPEC;REGEX=SPEC` (e.g. `.*conv1/kernel=-,-,-,model`) -> rules (the config parses
+    --layout_rules with it when it is built)."""
     rules = []
     for item in filter(None, (part.strip() for part in text.split(";"))):
         regex, sep, spec = item.rpartition("=")
@@ -64,16 +65,6 @@ def parse_rules(text: str) -> list[tuple[str, str]]:
                 raise UsageError(f"--layout_rules spec {spec!r}: each dimension is '-', 'batch' or 'model'")
         rules.append((regex, spec))
     return rules
-
-
-def check_layout(layout: str, layout_rules: str = "") -> list[tuple[str, str]]:
-    """The user's rules for --layout_rules (parsed), or [] for a valid built-in --layout."""
-    if layout_rules:
-        return parse_rules(layout_rules)
-    if layout not in SPLIT_TYPES:
-        raise UsageError(f"unknown --layout={layout!r}: choose one of {', '.join(POLICIES)}, "
-                         "or give --layout_rules='REGEX=SPEC;...'")
-    return []
 
 
 def assign_specs(variables: dict, rules, mesh_shape: dict) -> dict:

@@ -18,7 +18,6 @@ import tensorflow as tf
 
 from tf_multigpu import compat
 from tf_multigpu.compat import new_mirrored_collective_keys
-from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.placement import make_plan
 from tf_multigpu.parallel.stateless_dropout import stateless_dropout
 
@@ -26,11 +25,8 @@ _SUM = tf.distribute.ReduceOp.SUM
 
 
 def cross_device_ops(name: str, devices) -> tf.distribute.CrossDeviceOps | None:
-    """The all-reduce implementation for --all_reduce (None: TensorFlow's own choice)."""
-    on_gpus = all("GPU" in d.upper() for d in devices)
-    if name in ("nccl", "hierarchical_copy") and not on_gpus:
-        raise UsageError(f"--all_reduce={name} needs GPUs but the devices are {', '.join(devices)}: "
-                         "use --all_reduce=auto or one_device")
+    """The all-reduce implementation for --all_reduce (None: TensorFlow's own choice); nccl
+    and hierarchical_copy need GPUs (config/plan_checks.py refuses them elsewhere)."""
     if name == "auto":
         return None
     return {
@@ -74,15 +70,13 @@ class DistributeParallelism:
         return cls(strategy, devices, global_batch, name, batchnorm=batchnorm)
 
     @classmethod
-    def multi_worker(cls, runtime, global_batch: int, all_reduce: str = "auto", batchnorm: str = "sync"):
-        """Data parallelism over every device of every worker (the runtime's strategy).
+    def multi_worker(cls, runtime, global_batch: int, batchnorm: str = "sync"):
+        """Data parallelism over every device of every worker (the runtime's strategy, whose
+        collectives TensorFlow chooses: there is no --all_reduce across workers).
 
         Worker w holds replicas w*L .. w*L+L-1 and so reads rows [w*B/W, (w+1)*B/W) of each
         global batch: replica i gets rows [i*B/N, (i+1)*B/N), as in one process.
         """
-        if all_reduce != "auto":
-            raise UsageError(f"--all_reduce={all_reduce} is for one process: across workers the collective "
-                             "implementation is TensorFlow's choice; drop --all_reduce")
         cluster = runtime.cluster
         return cls(runtime.strategy, runtime.all_devices, global_batch, "data",
                    input_shard=(cluster.task_index, cluster.num_workers), batchnorm=batchnorm)

@@ -1,10 +1,11 @@
-"""`--strategy=auto`: the training loop asks the planner for the fastest plan that fits.
+"""`--strategy=auto`: the entry point asks the planner for the fastest plan that fits.
 
 The devices of the run are measured (`device_profile.measure`, a few seconds) or described by
 a shipped profile (`--profile=NAME`, for a plan of a machine one knows), the model's
 per-layer cost is taken from the plain Keras model, and the top plan of the ranked table
-becomes the run's strategy, mesh and layout. The prediction is returned so that the loop can
-write it next to the measured step time in summary.json: every auto run checks the model.
+becomes the run's strategy, mesh and layout. tf-multigpu-train resolves it before it builds
+the run (training/ knows nothing of the planner) and hands the Prediction to the loop, which
+writes it next to the measured step time in summary.json: every auto run checks the model.
 """
 
 from __future__ import annotations
@@ -18,7 +19,20 @@ from tf_multigpu.planner.device_profile import load, measure
 from tf_multigpu.planner.predict import plan_table
 
 
-def resolve_strategy(cfg: Config, devices, source, profile=None) -> tuple[Config, dict | None]:
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """The planner's record of the plan it chose (strategy, mesh, layout, predicted times and
+    memory, the profile, the ranking)."""
+
+    record: dict
+
+    def with_measurement(self, step_time_s) -> dict:
+        """The record with the run's measured step time and their ratio (summary.json's `plan`)."""
+        ratio = step_time_s / self.record["predicted_step_time_s"] if step_time_s else None
+        return {**self.record, "measured_step_time_s": step_time_s, "measured_over_predicted": ratio}
+
+
+def resolve_strategy(cfg: Config, devices, source, profile=None) -> tuple[Config, Prediction | None]:
     """(cfg with the top plan's strategy, mesh and layout, the prediction) for --strategy=auto;
     (cfg, None) for any other strategy. `profile` defaults to --profile: a shipped or JSON
     profile, or a measurement of `devices`. The plan is for the run's own device count."""
@@ -45,10 +59,4 @@ def resolve_strategy(cfg: Config, devices, source, profile=None) -> tuple[Config
         "binding": best.binding, "profile": profile.to_dict(),
         "ranking": [(p.label, p.step_time_s) for p in table.plans],
     }
-    return resolved, record
-
-
-def with_measurement(record: dict, step_time_s) -> dict:
-    """The prediction with the run's measured step time and their ratio."""
-    ratio = step_time_s / record["predicted_step_time_s"] if step_time_s else None
-    return {**record, "measured_step_time_s": step_time_s, "measured_over_predicted": ratio}
+    return resolved, Prediction(record)

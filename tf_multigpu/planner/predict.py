@@ -79,8 +79,8 @@ class Plan:
     """One candidate and its prediction (times in seconds, sizes in bytes, per device)."""
 
     strategy: str
-    batch: int                  # mesh batch axis (data-parallel groups)
-    model: int                  # mesh model axis (devices sharing each split layer)
+    batch_groups: int           # size of the mesh's batch axis: data-parallel groups
+    model_devices: int          # size of the mesh's model axis: devices sharing each split layer
     layout: str                 # "" for single / data
     per_device_batch: int       # examples each device's group runs through unsplit layers
     compute_s: float = 0.0
@@ -98,20 +98,20 @@ class Plan:
 
     @property
     def devices(self) -> int:
-        return self.batch * self.model
+        return self.batch_groups * self.model_devices
 
     @property
     def mesh(self) -> str:
         """The --mesh flag value ("" where the strategy takes none)."""
-        return f"batch:{self.batch},model:{self.model}" if self.strategy in ("model", "hybrid") else ""
+        return f"batch:{self.batch_groups},model:{self.model_devices}" if self.strategy in ("model", "hybrid") else ""
 
     @property
     def label(self) -> str:
         if self.strategy == "single":
             return "single"
         if self.strategy == "data":
-            return f"data x{self.batch}"
-        return f"{self.strategy} {self.batch}x{self.model} {self.layout}"
+            return f"data x{self.batch_groups}"
+        return f"{self.strategy} {self.batch_groups}x{self.model_devices} {self.layout}"
 
     def flags(self) -> str:
         """The tf-multigpu-train flags that run this plan."""
@@ -127,7 +127,7 @@ class Plan:
 
 
 def candidates(num_devices: int) -> list[tuple[str, int, int, str]]:
-    """(strategy, B, M, layout) for every plan on `num_devices` that check_mesh allows."""
+    """(strategy, B, M, layout) for every plan on `num_devices` that config/plan_checks.py allows."""
     out = [("single", 1, 1, "")]
     if num_devices > 1:
         out.append(("data", num_devices, 1, ""))
@@ -233,7 +233,7 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
 class PlanTable:
     """Every candidate, ranked: fitting plans by predicted step time, then the others."""
 
-    model: str
+    model_name: str
     global_batch: int
     num_devices: int
     profile: DeviceProfile
@@ -245,13 +245,13 @@ class PlanTable:
     def best(self) -> Plan:
         """The recommendation: the fastest plan that fits (UsageError if none does)."""
         if not self.plans or not self.plans[0].fits:
-            raise UsageError(f"no plan for {self.model} with global batch {self.global_batch} fits in "
+            raise UsageError(f"no plan for {self.model_name} with global batch {self.global_batch} fits in "
                              f"{self.profile.memory_bytes / 2**30:.1f} GiB per device: use a smaller --batch_size "
                              "or more devices")
         return self.plans[0]
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "global_batch": self.global_batch, "num_devices": self.num_devices,
+        return {"model": self.model_name, "global_batch": self.global_batch, "num_devices": self.num_devices,
                 "profile": self.profile.to_dict(), "assumptions": dataclasses.asdict(self.assumptions),
                 "plans": [p.to_dict() for p in self.plans], "skipped": [p.to_dict() for p in self.skipped],
                 "recommended": self.plans[0].to_dict() if self.plans and self.plans[0].fits else None,
@@ -308,7 +308,7 @@ def to_markdown(table: PlanTable) -> str:
     """The ranked table, with the profile and assumptions it rests on."""
     p = table.profile
     lines = [
-        (f"# Plans for {table.model}, global batch {table.global_batch}, {table.num_devices} devices, "
+        (f"# Plans for {table.model_name}, global batch {table.global_batch}, {table.num_devices} devices, "
          f"profile {p.name}"),
         "",
         ("| rank | plan | flags | step ms | compute ms | activation comm ms | gradient comm ms | comm MiB/device "

@@ -38,8 +38,8 @@ class Figure:
 
     label: str
     strategy: str
-    batch: int
-    model: int
+    batch_groups: int      # size of the mesh's batch axis
+    model_devices: int     # size of the mesh's model axis
     layout: str
     global_batch: int
     published: float
@@ -91,7 +91,8 @@ class Row:
 
 def predicted(cost, profile: DeviceProfile, figure: Figure) -> float:
     """The planner's value of `figure` in the figure's unit."""
-    plan = predict_plan(cost, profile, figure.global_batch, figure.strategy, figure.batch, figure.model, figure.layout)
+    plan = predict_plan(cost, profile, figure.global_batch, figure.strategy, figure.batch_groups,
+                        figure.model_devices, figure.layout)
     if plan.error:
         raise ValueError(f"{figure.label}: {plan.error}")
     if figure.unit == "s/step":

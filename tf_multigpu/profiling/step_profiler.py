@@ -12,7 +12,6 @@ import tensorflow as tf
 from absl import logging
 
 from tf_multigpu.compat import profiler_step
-from tf_multigpu.config.config import parse_profile_steps
 from tf_multigpu.parallel.base import host_scalars
 from tf_multigpu.profiling import analytic, report, xspace
 from tf_multigpu.profiling import collectives as coll
@@ -21,8 +20,8 @@ from tf_multigpu.profiling import collectives as coll
 class StepProfiler:
     """Traces steps first..last (counted from 1) into `logdir` and writes the report."""
 
-    def __init__(self, profile_steps: str, logdir: str, report_prefix: str, par, model, meta: dict):
-        self.first, self.last = parse_profile_steps(profile_steps)
+    def __init__(self, profile_range: tuple, logdir: str, report_prefix: str, par, model, meta: dict):
+        self.first, self.last = profile_range   # --profile_steps, parsed by the config
         self.logdir, self.report_prefix = logdir, report_prefix
         self.par, self.model, self.meta = par, model, meta
         self.collectives = None

@@ -1,1 +1,2 @@
-"""Training: the step (what one update computes) and the loop (when things happen)."""
+"""Training: the step (what one update computes), the run (`run.build_run`: everything a step
+needs), the cadence (when things happen) and the loop (`loop.train`: build, loop, finish)."""

@@ -34,7 +34,9 @@ class Preempted(Exception):
 
 class StopOnSigterm:
     """While installed, a first SIGTERM raises a flag instead of killing the process; a
-    second one kills it as usual (a worker stuck outside the loop can still be stopped)."""
+    second one kills it as usual (a worker stuck outside the loop can still be stopped).
+
+    `with StopOnSigterm.install() as stop:` uninstalls it on the way out, errors included."""
 
     def __init__(self):
         self.requested = False
@@ -48,6 +50,12 @@ class StopOnSigterm:
         except ValueError:   # not the main thread (e.g. a notebook's worker thread): keep the default
             pass
         return stop
+
+    def __enter__(self) -> StopOnSigterm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
 
     def uninstall(self) -> None:
         if self._previous is not None:

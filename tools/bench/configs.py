@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from tf_multigpu.config.config import mesh_for, replicas_for
 from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.mesh_spec import mesh_flag, mesh_for, replicas_for
 
 STRATEGIES = ("single", "data", "model", "hybrid")
 PEERS = ("keras_fit", "torch_ddp")
@@ -50,8 +50,7 @@ class BenchRun:
         """The DTensor mesh of model/hybrid runs (the defaults of tf-multigpu-train)."""
         if self.strategy not in ("model", "hybrid"):
             return ""
-        shape = mesh_for(self.strategy, "", self.devices)
-        return f"batch:{shape['batch']},model:{shape['model']}"
+        return mesh_flag(mesh_for(self.strategy, None, self.devices))
 
     @property
     def replicas(self) -> int:

@@ -26,18 +26,21 @@ FLAGS = flags.FLAGS
 
 
 def _runner(strategy, devices, model, stock_dropout=False, batchnorm="sync"):
-    """A function running `steps` training steps of one configuration (already compiled)."""
+    """A function running `steps` training steps of one configuration (already compiled).
+
+    Built by hand, not by build_run: the stock-dropout variant replaces the parallelism's
+    build_model, which build_run does not let a caller do."""
     import tensorflow as tf
 
     from tf_multigpu.config import Config
     from tf_multigpu.data import load_source
     from tf_multigpu.data.pipeline import train_dataset
     from tf_multigpu.parallel import make_parallelism
-    from tf_multigpu.training.loop import build_model_and_optimizer
+    from tf_multigpu.training.run import build_model_and_optimizer
     from tf_multigpu.training.step import make_train_step
 
     source = load_source("digits")
-    cfg = Config(run_dir="unused", strategy=strategy, model=model, batch_size=64, batchnorm=batchnorm)
+    cfg = Config(strategy=strategy, model=model, batch_size=64, batchnorm=batchnorm)   # no run directory
     par = make_parallelism(strategy, devices, 64, batchnorm=batchnorm)
     if stock_dropout:   # Keras' own layers: build in the scope without build_model's swap
         par.build_model = lambda make: _in_scope(par, make)

@@ -82,31 +82,26 @@ def _source_and_batches(run, global_batch, batch_size):
 
 
 def _time_ours(run, devices) -> dict:
-    """Our training step, built as the training loop builds it (tests/helpers.py one_step)."""
+    """Our training step, built as the training loop builds it (build_run, a run in memory)."""
     import tensorflow as tf
 
     from tf_multigpu.config import Config
-    from tf_multigpu.parallel import make_parallelism
-    from tf_multigpu.parallel.memory import bytes_per_device
-    from tf_multigpu.training.loop import build_model_and_optimizer
-    from tf_multigpu.training.step import make_train_step
+    from tf_multigpu.training.run import build_run
 
-    total = run.warmup_steps + run.timed_steps
-    cfg = Config(run_dir="unused", strategy=run.strategy, model=run.model, dataset=run.dataset,
-                 image_size=run.image_size, batch_size=run.batch, lr_schedule="constant",
-                 learning_rate=0.01, seed=run.seed, dtype=run.dtype, xla=run.xla)
+    cfg = Config(strategy=run.strategy, model=run.model, dataset=run.dataset, image_size=run.image_size,
+                 batch_size=run.batch, steps=run.warmup_steps + run.timed_steps, lr_schedule="constant",
+                 learning_rate=0.01, seed=run.seed, dtype=run.dtype, xla=run.xla, mesh=run.mesh)
     source, make = _source_and_batches(run, run.batch, run.batch)
-    par = make_parallelism(run.strategy, devices, run.batch, mesh=run.mesh)
-    cfg.check_devices(par.num_replicas)
-    model, optimizer = build_model_and_optimizer(cfg, par, source, total)
-    memory = bytes_per_device(par.plan, run.batch)
-    iterator = iter(par.distribute(make))
-    step = par.compile(make_train_step(model, optimizer, run.batch, jit_compile=run.xla))
+    built = build_run(cfg, devices, source=source)
+    iterator = iter(built.par.distribute(make))
     one = tf.constant(1)
-    times = _time_steps(lambda: {k: v.numpy() for k, v in step(iterator, one).items()},
-                        run.warmup_steps, run.timed_steps)
-    traced = _traced_split(lambda: {k: v.numpy() for k, v in step(iterator, one).items()})
-    return {"step_times_s": times, "memory_bytes": memory, "parameters": int(model.count_params()), **traced}
+
+    def step():
+        return {k: v.numpy() for k, v in built.train_fn(iterator, one).items()}
+
+    times = _time_steps(step, run.warmup_steps, run.timed_steps)
+    return {"step_times_s": times, "memory_bytes": built.memory, "parameters": int(built.model.count_params()),
+            **_traced_split(step)}
 
 
 def _traced_split(step, steps: int = TRACED_STEPS) -> dict:
