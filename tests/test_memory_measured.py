@@ -56,6 +56,8 @@ def test_summary_reports_the_measured_peak_beside_the_estimate(tmp_path):
     measured = summary["memory_measured"]
     assert measured["peak_rss_bytes"] > measured["baseline_rss_bytes"] > 0
     assert summary["memory_per_device_bytes"]["total"] > 0
+    digits = 8 * 8 * 1   # the default data set's images; 6 float32 batches of 32 in flight
+    assert summary["memory_host_bytes"] == {"input_pipeline": 6 * 32 * digits * 4, "total": 6 * 32 * digits * 4}
     tags = {v.tag for root, _, files in os.walk(tmp_path / "run") for f in files if "tfevents" in f
             for event in tf.compat.v1.train.summary_iterator(os.path.join(root, f)) for v in event.summary.value}
     assert {"memory_measured/peak_rss_bytes", "memory_per_device/total_bytes"} <= tags, sorted(tags)

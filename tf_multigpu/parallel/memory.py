@@ -110,8 +110,9 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
     return out
 
 
-def host_bytes(plan: PlacementPlan, batch_rows: int) -> dict:
+def host_bytes(image_shape, batch_rows: int) -> dict:
     """{"input_pipeline", "total"}: host memory of one process's training input, for the
-    `batch_rows` rows of each global batch that this process reads."""
-    pipeline = INPUT_PIPELINE_BATCHES * batch_rows * plan.layers[0].node.out_elems * BYTES_PER_VALUE
+    `batch_rows` rows of each global batch that this process reads (images of `image_shape`,
+    float32 after preprocessing)."""
+    pipeline = INPUT_PIPELINE_BATCHES * batch_rows * int(np.prod(image_shape)) * BYTES_PER_VALUE
     return {"input_pipeline": pipeline, "total": pipeline}

@@ -15,6 +15,7 @@ import time
 from tf_multigpu.config import Config
 from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model
+from tf_multigpu.parallel.memory import host_bytes
 from tf_multigpu.profiling.memory_measured import MemoryMeter
 from tf_multigpu.training.cadence import (
     Evaluate,
@@ -93,6 +94,7 @@ def finish_run(run: Run, writer, results: Results, started: float, prediction=No
         **{k: results.train.get(k) for k in ("loss", "accuracy")}, **results.throughput.summary(),
         **test, "wall_time_s": time.perf_counter() - started, "export_dir": export_dir,
         "memory_per_device_bytes": run.memory, "memory_measured": memory_measured,
+        "memory_host_bytes": host_bytes(source.image_shape, cfg.batch_size // run.par.input_shard[1]),
         "skipped_images": len(source.skipped),
     }
     if results.communication:
