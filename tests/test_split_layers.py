@@ -238,6 +238,22 @@ def test_slice_max_pool_equals_keras_ties_included(devices, name, b, m):
                         [x], [SPLIT4], b, m, SPLIT4) in (None, [])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+def test_slice_max_pool_in_other_float_types(dtype):
+    """float64 (the parity tests of keras.applications models) and float16 (mixed precision)."""
+    from tf_multigpu.parallel.split_layers import SlicePool2D
+    x = tf.constant(_with_ties((2, 13, 13, 4)), dtype=dtype)
+    got = []
+    for layer in (keras.layers.MaxPooling2D(3, 2, dtype=dtype), SlicePool2D(3, 2, dtype=dtype)):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+            loss = tf.reduce_sum(y * y)
+        got.append((y.numpy(), tape.gradient(loss, x).numpy()))
+    np.testing.assert_array_equal(got[1][0], got[0][0])
+    np.testing.assert_array_equal(got[1][1], got[0][1])
+
+
 def test_slice_max_pool_backward_keeps_only_its_input_and_output():
     """The gradient reads x and y of the forward, nothing else: no tap, no partial maximum
     (autodiff of the tf.maximum chain kept 2*k*k - 2 output-sized tensors)."""

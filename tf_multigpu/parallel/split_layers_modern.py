@@ -217,13 +217,14 @@ def window_max(x, pool_size, strides, padding):
             hs, ws = oh - 1 + -(-kh // sh), ow - 1 + -(-kw // sw)   # the phase grid, as in _taps
             read = _tap_reader(x, pool_size, strides, padding, pad_value=low)
             phases = {}
+            zero = tf.constant(0, dy.dtype)
             remaining, done = dy, dy
             for t in range(kh * kw):
                 with tf.control_dependencies([done]):   # one tap at a time (plain tensors, as above)
                     hit = tf.equal(read(t), y)
-                # where(.., 0.0): zeros_like would be a replicated tensor under DTensor.
-                share = tf.where(hit, remaining, 0.0)
-                remaining = tf.where(hit, 0.0, remaining)
+                # where(.., a scalar 0): zeros_like would be a replicated tensor under DTensor.
+                share = tf.where(hit, remaining, zero)
+                remaining = tf.where(hit, zero, remaining)
                 i, j = divmod(t, kw)
                 placed = tf.pad(share, [[0, 0], [i // sh, hs - oh - i // sh], [j // sw, ws - ow - j // sw], [0, 0]])
                 key = (i % sh, j % sw)
