@@ -30,8 +30,11 @@ def test_a_fresh_process_peak_counts_what_it_allocates():
             "m = MemoryMeter(['/device:CPU:0'])\n"
             "b = np.ones(256 * 2**20 // 8)\n"
             "print(json.dumps(m.measured()))\n")
+    # A clean environment: variables earlier tests left in this process' (the graph dump's
+    # TF_DUMP_GRAPH_PREFIX) must not change what a fresh process allocates.
+    clean = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": REPO})
+                          env={**clean, "PYTHONPATH": REPO, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert done.returncode == 0, done.stderr[-2000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     assert measured["peak_since"] == "meter start", measured   # Linux resets the high-water mark

@@ -38,15 +38,24 @@ def peak_rss_bytes() -> int:
     """The process's peak resident set size since it started, or since the last
     `reset_peak_rss()`.
 
-    Linux updates the high-water mark lazily, so it can lag the current RSS by a few pages;
-    the larger of the two is the peak."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return max(peak if sys.platform == "darwin" else peak * 1024, rss_bytes())   # Linux: KiB, macOS: bytes
+    Linux: VmHWM of /proc/self/status, the address space's high-water mark, which the reset
+    sets back. Not ru_maxrss: getrusage also takes the maximum with the mark recorded when any
+    thread of the process exited, so a thread that ended after an earlier peak (TensorFlow's
+    start-up threads) keeps that peak in it across the reset -- seen in the test suite, where
+    a 768 MiB transient freed before the meter started still showed. The mark is updated
+    lazily, so it can lag the current RSS by a few pages; the larger of the two is the peak."""
+    try:
+        with open("/proc/self/status") as f:
+            hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError, IndexError):   # no /proc (macOS): since the start
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        hwm = peak if sys.platform == "darwin" else peak * 1024   # Linux: KiB, macOS: bytes
+    return max(hwm, rss_bytes())
 
 
 def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0: writing 5 to
-    /proc/self/clear_refs; getrusage's ru_maxrss follows). False where the kernel refuses."""
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0: writing 5
+    to /proc/self/clear_refs). False where the kernel refuses."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
