@@ -101,6 +101,8 @@ def test_coordination_service_entry_points_exist_with_our_arguments():
         assert name in params, f"configure_coordination_service lost {name}: update compat"
     job = coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=2)
     assert (job.name, job.num_tasks) == ("worker", 2)
+    barrier = inspect.signature(context.context().wait_at_barrier).parameters   # compat.wait_for_all_tasks
+    assert list(barrier)[:2] == ["barrier_id", "timeout_in_ms"], f"wait_at_barrier: {list(barrier)}; update compat"
 
 
 def test_profiler_step_marks_a_step_the_xspace_reader_finds(tmp_path):

@@ -134,6 +134,17 @@ def configure_coordination_service(job: str, num_tasks: int, heartbeat_timeout_s
         coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=job, num_tasks=num_tasks)])
 
 
+def wait_for_all_tasks(barrier_id: str, timeout_s: int) -> None:
+    """Blocks until every task of the coordination service reaches the barrier `barrier_id`
+    (the eager context's `wait_at_barrier`; no public API).
+
+    A run's last collective is resolved through task 0 (`CompleteInstance`): a chief that
+    exits as soon as its own part is done leaves a slower worker's last collective with no
+    one to ask (`UNAVAILABLE: failed to connect ... CompleteInstance`, seen under load)."""
+    from tensorflow.python.eager import context
+    context.context().wait_at_barrier(barrier_id, timeout_s * 1000)
+
+
 def gpu_memory_limits() -> list[int]:
     """The memory, in bytes, TensorFlow may allocate on each local GPU (empty without GPUs).
 

@@ -48,6 +48,9 @@ def main(argv):
                                         cfg.device_memory_limit, cfg.logical_gpus)
         cfg, source, prediction = _resolve_auto(cfg, devices)
         summary = _train_or_report_oom(train, cfg, devices, runtime, source=source, prediction=prediction)
+        if runtime is not None:   # no worker leaves while another's last collective needs it
+            from tf_multigpu.compat import wait_for_all_tasks
+            wait_for_all_tasks("tf_multigpu/run_finished", max(cfg.peer_timeout, 600))
     except DoesNotFit as e:
         _fail(str(e), DOES_NOT_FIT)
     except UsageError as e:

@@ -53,9 +53,11 @@ def train(cfg: Config, devices: list[str], runtime=None, *, source=None, predict
             ReportProfile(profiler, writer, results),
             RecordTraining(run, writer, results),
             Evaluate(run, writer, results, every=cfg.eval_every or run.steps_per_epoch),
+            # The vote before the periodic checkpoint: a SIGTERM that arrives while a window's
+            # checkpoint is written stops the workers after the next window, not this one.
+            PreemptionVote(run, stop, checkpoint),
             checkpoint,
             ShowProgress(run, results),
-            PreemptionVote(run, stop, checkpoint),
         ], results)
     return finish_run(run, writer, results, started, prediction)
 
