@@ -234,8 +234,8 @@ def test_slice_max_pool_equals_keras_ties_included(devices, name, b, m):
     from tf_multigpu.parallel.split_layers import SlicePool2D
     kw = MAX_POOL[name]
     x = _with_ties((2, 13, 13, 4) if name.endswith("_55") else (4, 9, 9, 8))
-    assert check_parity(devices, lambda: keras.layers.MaxPooling2D(**kw), lambda: SlicePool2D(**kw),
-                        [x], [SPLIT4], b, m, SPLIT4) in (None, [])
+    check_parity(devices, lambda: keras.layers.MaxPooling2D(**kw), lambda: SlicePool2D(**kw),
+                 [x], [SPLIT4], b, m, SPLIT4)   # on 1x2 also: no collective (communicates=False)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float64"])

@@ -97,6 +97,13 @@ def _taps(x, kernel_size, strides, padding, pad_value=0.0):
     return [read(t) for t in range(kernel_size[0] * kernel_size[1])]
 
 
+def _phase_grid(oh: int, ow: int, kernel_size, strides) -> tuple[int, int]:
+    """Rows and columns of the stride-phase grid [B, hs, sh, ws, sw, ...] that the taps of an
+    (oh, ow) output read."""
+    (kh, kw), (sh, sw) = kernel_size, strides
+    return oh - 1 + -(-kh // sh), ow - 1 + -(-kw // sw)
+
+
 def _tap_reader(x, kernel_size, strides, padding, pad_value=0.0):
     """A function t -> the t-th tap of `_taps`, so a caller can slice one tap at a time.
 
@@ -112,7 +119,7 @@ def _tap_reader(x, kernel_size, strides, padding, pad_value=0.0):
     oh, ow = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
     if sh == sw == 1:
         return lambda t: x[:, t // kw:t // kw + oh, t % kw:t % kw + ow]
-    hs, ws = oh - 1 + -(-kh // sh), ow - 1 + -(-kw // sw)   # phase-grid rows/cols the taps read
+    hs, ws = _phase_grid(oh, ow, kernel_size, strides)
     x = x[:, :hs * sh, :ws * sw]
     x = tf.pad(x, [[0, 0], [0, hs * sh - x.shape[1]], [0, ws * sw - x.shape[2]], *rest],
                constant_values=pad_value)   # alignment only: no tap reads these cells
@@ -214,7 +221,7 @@ def window_max(x, pool_size, strides, padding):
 
         def grad(dy):
             oh, ow, c = dy.shape[1], dy.shape[2], dy.shape[3]
-            hs, ws = oh - 1 + -(-kh // sh), ow - 1 + -(-kw // sw)   # the phase grid, as in _taps
+            hs, ws = _phase_grid(oh, ow, pool_size, strides)   # the grid _tap_reader reads through
             read = _tap_reader(x, pool_size, strides, padding, pad_value=low)
             phases = {}
             zero = tf.constant(0, dy.dtype)

@@ -50,6 +50,7 @@ import dataclasses
 
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES
+from tf_multigpu.parallel.mesh_spec import mesh_flag
 from tf_multigpu.planner import comm
 from tf_multigpu.planner.cost_model import BYTES_PER_VALUE, ModelCost, memory_per_device, placement
 from tf_multigpu.planner.device_profile import (
@@ -103,7 +104,9 @@ class Plan:
     @property
     def mesh(self) -> str:
         """The --mesh flag value ("" where the strategy takes none)."""
-        return f"batch:{self.batch_groups},model:{self.model_devices}" if self.strategy in ("model", "hybrid") else ""
+        if self.strategy not in ("model", "hybrid"):
+            return ""
+        return mesh_flag({"batch": self.batch_groups, "model": self.model_devices})
 
     @property
     def label(self) -> str:

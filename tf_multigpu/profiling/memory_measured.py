@@ -3,7 +3,7 @@
 - GPUs: TensorFlow's allocator tracks each device's peak (`get_memory_info`); we reset it
   when the meter starts, so the peak is the run's.
 - CPUs: logical CPU devices share one allocator and the host's RAM, so there is no figure
-  per device. The process's peak resident set (getrusage ru_maxrss) is the measured total of
+  per device. The process's peak resident set (VmHWM) is the measured total of
   all of them, and its resident set when the meter starts (before the model is built) is the
   baseline: TensorFlow's runtime, the data set, Python. The meter resets the kernel's
   high-water mark when it starts (Linux: `echo 5 > /proc/self/clear_refs`), so a transient
@@ -38,12 +38,10 @@ def peak_rss_bytes() -> int:
     """The process's peak resident set size since it started, or since the last
     `reset_peak_rss()`.
 
-    Linux: VmHWM of /proc/self/status, the address space's high-water mark, which the reset
-    sets back. Not ru_maxrss: getrusage also takes the maximum with the mark recorded when any
-    thread of the process exited, so a thread that ended after an earlier peak (TensorFlow's
-    start-up threads) keeps that peak in it across the reset -- seen in the test suite, where
-    a 768 MiB transient freed before the meter started still showed. The mark is updated
-    lazily, so it can lag the current RSS by a few pages; the larger of the two is the peak."""
+    Linux: VmHWM of /proc/self/status, the address space's high-water mark: the very mark
+    the reset sets back, read directly (getrusage's ru_maxrss is derived from it and from
+    other bookkeeping). The mark is updated lazily, so it can lag the current RSS by a few
+    pages; the larger of the two is the peak."""
     try:
         with open("/proc/self/status") as f:
             hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
