@@ -32,7 +32,7 @@ import numpy as np
 
 from tf_multigpu.parallel import memory
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL
-from tf_multigpu.parallel.placement import CHANNELS, WHOLE, Collective, make_plan, model_graph
+from tf_multigpu.parallel.placement import CHANNELS, WHOLE, make_plan, model_graph
 
 BYTES_PER_VALUE = 4   # float32 parameters, gradients, slots and activations
 
@@ -171,8 +171,8 @@ def placement(cost: ModelCost, layout: str | None, mesh_shape: dict) -> list[Lay
             bwd = fwd * (2.0 if placed.needs_input_grad else 1.0)
             conv_flops = fwd + bwd
         collectives = placed.collectives
-        if placed is plan.layers[-1] and plan.output_layout == CHANNELS:   # split logits gathered for the loss
-            collectives += (Collective("all_gather", "model", "loss", "forward", cost.num_classes),)
+        if placed is plan.layers[-1]:   # split logits gathered for the loss (the plan's step-level collective)
+            collectives += tuple(c for c in plan.collectives if c.layer == "loss")
         out.append(LayerPlacement(
             layer.name, placed.impl, placed.out_layout == CHANNELS, fwd, bwd, conv_flops,
             sum(plan.local_elems(p, s) for p, s in layer.weights.items()) * BYTES_PER_VALUE,

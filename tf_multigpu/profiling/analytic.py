@@ -50,9 +50,9 @@ def minimum_bytes(plan: PlacementPlan, global_batch: int) -> dict:
         elif layer.kernel_split and not split_input and layer.needs_input_grad:
             # partial input gradients, all-reduced
             out["activations"] += 2 * share * group_batch * layer.node.in_elems * BYTES_PER_VALUE
-    last = plan.layers[-1]
-    if last.out_layout != WHOLE:   # split logits: the accuracy's argmax gathers them (forward only)
-        nbytes = group_batch * last.node.out_elems * BYTES_PER_VALUE
-        out["activations"] += share * nbytes
-        out["forward_activation_payload"] += nbytes
+    for c in plan.collectives:
+        if c.layer == "loss":   # split logits, gathered for the loss's and the accuracy's argmax (forward only)
+            nbytes = group_batch * c.elems_per_example * BYTES_PER_VALUE
+            out["activations"] += share * nbytes
+            out["forward_activation_payload"] += nbytes
     return out
