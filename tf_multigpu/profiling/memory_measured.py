@@ -62,13 +62,28 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def _cpu_allocator_stats(reset: bool) -> bool:
+    """Whether TensorFlow's CPU allocator keeps statistics (it does with oneDNN, TF's default on
+    x86; with TF_ENABLE_ONEDNN_OPTS=0 it keeps none: "Cannot reset memory stats for device
+    'CPU:0'"), resetting its peak if asked."""
+    try:
+        if reset:
+            tf.config.experimental.reset_memory_stats("CPU:0")
+        else:
+            tf.config.experimental.get_memory_info("CPU:0")
+        return True
+    except ValueError:
+        return False
+
+
 class MemoryMeter:
     """Start it before the model is built; `measured()` after training gives the peaks."""
 
     def __init__(self, devices: list[str]):
         self.gpus = [d.split("device:")[-1] for d in devices if "GPU" in d.split("device:")[-1].upper()]
-        for device in self.gpus or ["CPU:0"]:
+        for device in self.gpus:
             tf.config.experimental.reset_memory_stats(device)
+        self.cpu_stats = _cpu_allocator_stats(reset=not self.gpus)
         self.peak_reset = reset_peak_rss()
         self.baseline = rss_bytes()
 
@@ -84,7 +99,8 @@ class MemoryMeter:
         return {"source": "process peak RSS (all logical CPU devices)", "peak_rss_bytes": peak,
                 "peak_since": "meter start" if self.peak_reset else "process start",
                 "baseline_rss_bytes": self.baseline, "peak_minus_baseline_bytes": peak - self.baseline,
-                "tf_allocator_peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
+                **({"tf_allocator_peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
+                   if self.cpu_stats else {})}
 
     @staticmethod
     def scalars(measured: dict) -> dict:
