@@ -38,6 +38,8 @@ def test_defaults_are_valid():
     ({"test_fraction": 1.0}, "--test_fraction=1.0 must be between 0 and 1"),
     ({"dataset": "folder:"}, "--dataset=folder: needs the folder"),
     ({"input_threads": -1}, "--input_threads=-1 must be >= 0"),
+    ({"strategy": "data", "shard_optimizer_state": True}, "--strategy=data has one copy of it per device"),
+    ({"strategy": "hybrid", "shard_optimizer_state": True, "momentum": 0.0}, "--momentum=0 has none"),
 
     ({"batchnorm": "local"}, "unknown --batchnorm='local': choose one of sync, per_replica"),
     ({"strategy": "hybrid", "batchnorm": "per_replica"}, "--batchnorm=per_replica applies to --strategy=data"),

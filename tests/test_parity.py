@@ -90,6 +90,18 @@ def test_hybrid_two_steps_with_momentum_match():
     assert result["max_update_difference"] <= TOLERANCE
 
 
+def test_sharded_optimizer_state_matches_one_device_and_holds_half_the_momentum():
+    """--shard_optimizer_state: two momentum steps on 2x2 still equal one device's, for a split
+    and a replicated convolution (whose gradient DTensor must not be asked to make sharded),
+    and each device keeps about half the momentum values of its weights (biases split on
+    `model` have no dimension left to shard)."""
+    result = in_own_process("hybrid", "batch:2,model:2", "filter_split,fc_only", 2, "shard=1")
+    for layout in ("filter_split", "fc_only"):
+        assert result[layout]["same_initial_weights"], layout
+        assert result[layout]["max_update_difference"] <= TOLERANCE, (layout, result)
+    assert 0.5 <= result["slot_to_weight_elems_per_device"] < 0.51, result
+
+
 # Models we did not write (keras.applications, random weights) at 32x32, global batch 8, in
 # float64. In float32 the weight-update measure has a floor of its own for these models: one
 # device's step on the same batch with its rows permuted (BatchNormalization's batch sums in

@@ -77,6 +77,25 @@ def test_mobilenet_v2_depthwise_convolutions_follow_their_split_input(mobilenet_
     assert memory["parameters"] < single["parameters"] / 3
 
 
+def test_sharded_optimizer_state_halves_the_momentum_of_a_hybrid_pair_of_groups(resnet50):
+    """--shard_optimizer_state: each slot takes `batch` on its first unsplit dimension that
+    divides (a bias split on `model` keeps its variable's spec), the memory estimate counts
+    what the slots then hold, and without a batch axis nothing changes."""
+    mesh = {"batch": 2, "model": 2}
+    plan = make_plan(resnet50, "filter_split", [], mesh, shard_slots=True)
+    assert plan.slot_spec("conv2_block1_1_conv/kernel", (1, 1, 64, 64)) == ("-", "-", "batch", "model")
+    assert plan.slot_spec("conv1_conv/kernel", (7, 7, 3, 64)) == ("-", "-", "-", "model")   # none divides
+    assert plan.slot_spec("conv1_conv/bias", (64,)) == ("model",)
+    assert plan.slot_spec("predictions/kernel", (2048, 10)) == ("batch", "model")
+    sharded, plain = bytes_per_device(plan, 64), bytes_per_device(make_plan(resnet50, "filter_split", [], mesh), 64)
+    assert 0.5 <= sharded["optimizer_slots"] / plain["optimizer_slots"] < 0.51
+    assert sharded["parameters"] == plain["parameters"]
+    assert sharded["update"] == sharded["optimizer_slots"] * 2 + sharded["gradients"]
+    one_group = make_plan(resnet50, "filter_split", [], {"batch": 1, "model": 4}, shard_slots=True)
+    assert not one_group.shard_slots
+    assert one_group.slot_spec("conv2_block1_1_conv/kernel", (1, 1, 64, 64)) == ("-", "-", "-", "model")
+
+
 def test_layers_are_chosen_by_type_not_by_name():
     model = user_models.renamed_convnet((16, 16, 3), 10)
     plan = make_plan(model, "filter_split", [], {"batch": 1, "model": 2})

@@ -29,15 +29,18 @@ from tf_multigpu.config.workload_flags import define_workload_flags
 
 PROG = "memory_table"
 
-# (label, strategy, devices, mesh, layout): the configurations of the issue's table.
+# (label, strategy, devices, mesh, layout, extra flags): the configurations of the issue's
+# table, and the hybrid with its optimizer state sharded over the batch groups.
 CONFIGS = (
-    ("single", "single", 1, "", ""),
-    ("data x2", "data", 2, "", ""),
-    ("model 1x2 filter_split", "model", 2, "batch:1,model:2", "filter_split"),
-    ("model 1x2 conv_data_fc_model", "model", 2, "batch:1,model:2", "conv_data_fc_model"),
-    ("data x4", "data", 4, "", ""),
-    ("model 1x4 filter_split", "model", 4, "batch:1,model:4", "filter_split"),
-    ("hybrid 2x2 filter_split", "hybrid", 4, "batch:2,model:2", "filter_split"),
+    ("single", "single", 1, "", "", ()),
+    ("data x2", "data", 2, "", "", ()),
+    ("model 1x2 filter_split", "model", 2, "batch:1,model:2", "filter_split", ()),
+    ("model 1x2 conv_data_fc_model", "model", 2, "batch:1,model:2", "conv_data_fc_model", ()),
+    ("data x4", "data", 4, "", "", ()),
+    ("model 1x4 filter_split", "model", 4, "batch:1,model:4", "filter_split", ()),
+    ("hybrid 2x2 filter_split", "hybrid", 4, "batch:2,model:2", "filter_split", ()),
+    ("hybrid 2x2 filter_split sharded optimizer", "hybrid", 4, "batch:2,model:2", "filter_split",
+     ("--shard_optimizer_state",)),
 )
 KEYS = {label.replace(" ", "_"): label for label, *_ in CONFIGS}
 
@@ -51,7 +54,7 @@ flags.DEFINE_integer("run_timeout", 1800, "Seconds per run.")
 FLAGS = flags.FLAGS
 
 
-def run_one(strategy: str, devices: int, mesh: str, layout: str) -> dict:
+def run_one(strategy: str, devices: int, mesh: str, layout: str, extra=()) -> dict:
     """One fresh training process; returns its summary.json (printed as its last line)."""
     with tempfile.TemporaryDirectory() as run_dir:
         command = [sys.executable, "-m", "tf_multigpu.train", f"--run_dir={run_dir}", "--noexport",
@@ -62,6 +65,7 @@ def run_one(strategy: str, devices: int, mesh: str, layout: str) -> dict:
             command.append(f"--cpu_devices={devices}")
         if mesh:
             command += [f"--mesh={mesh}", f"--layout={layout}"]
+        command += list(extra)
         done = subprocess.run(command, capture_output=True, text=True, timeout=FLAGS.run_timeout)
     if done.returncode != 0:
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
@@ -116,9 +120,9 @@ def main(argv):
         cli.fail(PROG, f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(KEYS)}")
     chosen = [c for c in CONFIGS if c[0].replace(" ", "_") in FLAGS.configs]
     rows = []
-    for label, strategy, devices, mesh, layout in chosen:
+    for label, strategy, devices, mesh, layout, extra in chosen:
         print(f"  {label} ...", file=sys.stderr, flush=True)
-        rows.append(row(label, run_one(strategy, devices, mesh, layout)))
+        rows.append(row(label, run_one(strategy, devices, mesh, layout, extra)))
     table = markdown(rows)
     print(f"{FLAGS.model}, {FLAGS.dataset} image {FLAGS.image_size or 'default'}, global batch {FLAGS.batch_size}, "
           f"{FLAGS.train_steps} steps, fresh process per configuration\n")

@@ -78,6 +78,7 @@ class Config:
     log_every: int = 10
     dtype: str = "float32"        # compute dtype: bfloat16/float16 = Keras mixed precision
     batchnorm: str = "sync"       # data parallelism: BatchNorm statistics over the global batch, or per replica
+    shard_optimizer_state: bool = False   # hybrid: each momentum buffer sharded over the batch groups (ZeRO-1)
     xla: bool = False             # XLA-compile each replica's forward and backward pass
     device_memory_limit: int = 0  # MiB per device; 0: no cap
     logical_gpus: int = 1         # logical GPUs carved from each physical GPU
@@ -164,6 +165,13 @@ class Config:
             raise UsageError(f"--batchnorm={self.batchnorm} applies to --strategy=data, not {self.strategy} "
                              "(one device "
                              "and a DTensor mesh use the global batch's statistics): drop --batchnorm")
+        if self.shard_optimizer_state and self.strategy != "hybrid":
+            raise UsageError(f"--shard_optimizer_state shards the optimizer state over a hybrid mesh's batch groups; "
+                             f"--strategy={self.strategy} has one copy of it per device already: "
+                             "use --strategy=hybrid or drop the flag")
+        if self.shard_optimizer_state and not self.momentum:
+            raise UsageError("--shard_optimizer_state shards the momentum buffers, and --momentum=0 has none: "
+                             "drop the flag or set --momentum")
         if self.profile != Config.profile:
             if self.strategy != "auto":
                 raise UsageError(f"--profile applies to --strategy=auto, not {self.strategy}: drop --profile")

@@ -85,6 +85,11 @@ flags.DEFINE_string("batchnorm", _D.batchnorm, f"BatchNormalization under --stra
                     f"{', '.join(BATCHNORMS)}. sync: batch statistics over the global batch (all-reduced "
                     "across replicas), so the step is one device's; per_replica: each replica normalises "
                     "by its own share's statistics (no extra all-reduce, a different model).")
+flags.DEFINE_boolean("shard_optimizer_state", _D.shard_optimizer_state, "--strategy=hybrid: shard each "
+                     "momentum buffer over the mesh's batch groups too (ZeRO stage 1), instead of one copy "
+                     "per group: less memory per device, for an all-gather of the new velocities over "
+                     "`batch` each step (DTensor's reduce-scatter is an all-reduce and a slice except with "
+                     "NCCL, so on CPUs that adds half the gradient all-reduce's bytes).")
 flags.DEFINE_boolean("xla", _D.xla, "XLA-compile (jit_compile) each replica's forward and backward pass.")
 flags.DEFINE_integer("device_memory_limit", _D.device_memory_limit, "MiB of memory per device (0: no cap). "
                      "GPUs get logical devices capped at this size; on CPUs the run's estimated bytes per "

@@ -22,7 +22,7 @@ _LAZY = {   # name -> the module that defines it (imports TensorFlow)
 
 def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str = "auto",
                      mesh_shape: dict | None = None, layout: str = "filter_split", layout_rules=(),
-                     runtime=None, batchnorm: str = "sync"):
+                     runtime=None, batchnorm: str = "sync", shard_optimizer_state: bool = False):
     """The parallelism for a --strategy value over `devices`, or, given a started multi-worker
     `runtime` (parallel/cluster.py), over every device of every worker.
 
@@ -30,7 +30,8 @@ def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str 
     `layout_rules` --layout_rules parsed (`layouts.parse_rules`); the config holds both, and
     `config/plan_checks.py: check_plan` has checked them against the devices. `batchnorm` (sync or
     per_replica) is for data parallelism: a DTensor mesh computes BatchNormalization's
-    statistics over the global batch by itself."""
+    statistics over the global batch by itself. `shard_optimizer_state`: a hybrid mesh shards
+    the momentum over its batch groups (placement.slot_spec)."""
     from tf_multigpu.parallel.tf_distribute import DistributeParallelism
     if runtime is not None and strategy == "data":
         return DistributeParallelism.multi_worker(runtime, global_batch, batchnorm)
@@ -42,7 +43,8 @@ def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str 
     if runtime is not None:
         devices, local = runtime.all_devices, runtime.local_devices
     return DTensorParallelism(strategy, devices, mesh_for(strategy, mesh_shape, len(devices)), layout,
-                              layout_rules, global_batch, local_devices=local, batch_on_model=layout in BATCH_ON_MODEL)
+                              layout_rules, global_batch, local_devices=local, batch_on_model=layout in BATCH_ON_MODEL,
+                              shard_slots=shard_optimizer_state)
 
 
 def __getattr__(name: str):

@@ -47,6 +47,8 @@ class Parallelism(Protocol):
 
     def local_shape(self, variable) -> list: ...
 
+    def relayout_like(self, value, variable): ...   # value in variable's layout (optimizer slots)
+
     def any_worker(self, flag: bool) -> bool: ...
 
 

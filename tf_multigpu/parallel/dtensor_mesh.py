@@ -51,7 +51,7 @@ class DTensorParallelism:
     The mesh shape, the layout and the global batch are checked before (config/plan_checks.py)."""
 
     def __init__(self, name: str, devices, mesh_shape: dict, layout: str, user_rules, global_batch: int,
-                 local_devices=None, batch_on_model: bool = False):
+                 local_devices=None, batch_on_model: bool = False, shard_slots: bool = False):
         # DTensor merges a step's independent all-reduces into one flat buffer (its
         # AllReduceCombineOptimization, read from the environment when a step is lowered). On a
         # mesh with a `batch` axis that is every gradient at once, assembled in a zero-filled
@@ -81,8 +81,10 @@ class DTensorParallelism:
         per_client = len(self.local_groups)
         self.input_shard = (self.local_groups[0] // per_client, mesh_shape["batch"] // per_client)
         self.batch_on_model = batch_on_model   # the input's batch sharded on `model` (mesh 1 x N)
+        self.shard_slots = shard_slots         # momentum sharded over `batch` too (placement.slot_spec)
         self.plan: PlacementPlan | None = None   # set by build_model
         self._by_path = {}       # variable path -> layout (slots look theirs up here)
+        self._layouts = {}       # id(DVariable) -> its layout (relayout_like)
 
     @property
     def replica_batch(self) -> int:
@@ -92,14 +94,14 @@ class DTensorParallelism:
     def layout(self, spec) -> dtensor.Layout:
         return dtensor.Layout([U if axis == UNSPLIT else axis for axis in spec], self.mesh)
 
-    def _layout_for(self, path: str, name: str, rank: int) -> dtensor.Layout:
+    def _layout_for(self, path: str, name: str, shape) -> dtensor.Layout:
         if path in self._by_path:
             return self._by_path[path]
-        for var_path, layout in self._by_path.items():   # an optimizer slot follows its variable
-            if name.startswith(var_path.replace("/", "_") + "_") and layout.rank == rank:
-                return layout
+        for var_path, layout in self._by_path.items():   # an optimizer slot: its variable's path
+            if name.startswith(var_path.replace("/", "_") + "_") and layout.rank == len(shape):
+                return self.layout(self.plan.slot_spec(var_path, shape))
         spec = self.plan.specs.get(path) if self.plan else None
-        return self.layout(spec) if spec else dtensor.Layout.replicated(self.mesh, rank)
+        return self.layout(spec) if spec else dtensor.Layout.replicated(self.mesh, len(shape))
 
     def _creator(self, next_creator, **kwargs):
         name = kwargs.get("name") or "variable"
@@ -107,10 +109,21 @@ class DTensorParallelism:
         path = f"{scope}/{name}" if scope else name
         initial = kwargs["initial_value"]
         initial = tf.convert_to_tensor(initial() if callable(initial) else initial, dtype=kwargs.get("dtype"))
-        layout = self._layout_for(path, name, initial.shape.rank)
+        layout = self._layout_for(path, name, initial.shape.as_list())
         if self.plan and path in self.plan.specs:
             self._by_path[path] = layout
-        return dtensor.DVariable(self.put(initial, layout), trainable=kwargs.get("trainable", True), name=name)
+        variable = dtensor.DVariable(self.put(initial, layout), trainable=kwargs.get("trainable", True), name=name)
+        self._layouts[id(variable)] = layout
+        return variable
+
+    def relayout_like(self, value, variable):
+        """`value` in the layout of (Keras or DTensor) `variable`: the optimizer's hook for slots
+        sharded more finely than their variables (placement.slot_spec). Sharding a value that
+        is replicated on `batch` is local slicing; the way back is an all-gather over `batch`."""
+        if not self.shard_slots:   # every slot has its variable's layout: nothing to move
+            return value
+        layout = self._layouts[id(variable if isinstance(variable, tf.Variable) else variable.value)]
+        return dtensor.relayout(value, layout)
 
     def scope(self) -> contextlib.AbstractContextManager:
         """Variables created here (model, optimizer) are DVariables with the policy's layouts."""
@@ -145,7 +158,8 @@ class DTensorParallelism:
         """Builds the plain model, plans its placement, then builds its model-parallel twin
         with the same initial values."""
         plain = build()
-        self.plan = make_plan(plain, self.layout_name, self.user_rules, self.mesh_shape, self.batch_on_model)
+        self.plan = make_plan(plain, self.layout_name, self.user_rules, self.mesh_shape, self.batch_on_model,
+                              shard_slots=self.shard_slots)
         try:
             with self.scope():
                 model = keras.models.clone_model(plain, clone_function=self._converter(), recursive=True)
@@ -160,7 +174,7 @@ class DTensorParallelism:
         for var, value in pairs:
             if var.path in self.plan.specs and var.path != value.path:
                 raise AssertionError(f"cloned model's variables are out of order: {var.path} vs {value.path}")
-            var.assign(self.put(value, self._layout_for(var.path, var.name, len(var.shape))))
+            var.assign(self.put(value, self._layout_for(var.path, var.name, list(var.shape))))
         return model
 
     def _converter(self):

@@ -3,7 +3,8 @@
 
 Counted from the placement plan, per device:
   parameters, gradients   this device's shards (a split variable holds 1/M);
-  optimizer_slots         one momentum buffer per trainable shard (0 with plain SGD);
+  optimizer_slots         one momentum buffer per trainable shard (0 with plain SGD), sharded
+                          over `batch` too with --shard_optimizer_state (placement.slot_spec);
   activations             what each layer's implementation keeps for the backward pass, for
                           the device's share of its group's batch:
                             - its output, at its layout's share (1/M where split on `model`,
@@ -21,9 +22,10 @@ Counted from the placement plan, per device:
                           (its input gradient, whole where the input is gathered, and its
                           output gradient at once);
   update                  the optimizer's temporaries: the decayed gradient and the new
-                          velocity, 2 x the gradient shards (1 x, the scaled gradient, without
-                          momentum; one tf.function step: updates of late layers run while
-                          early layers' backward still holds activations);
+                          velocity, 2 x the slot shards (1 x the gradients, the scaled gradient,
+                          without momentum; with sharded slots, also the new velocity gathered
+                          back, 1 x the gradients; one tf.function step: updates of late layers
+                          run while early layers' backward still holds activations);
   reduction_buffers       the gradient all-reduce's buffers: MirroredStrategy packs every
                           gradient into one buffer and receives the sum into another (2 x the
                           gradients); DTensor all-reduces each gradient of a layer shared by
@@ -84,13 +86,14 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
     "update", "reduction_buffers", "total"} in bytes, for one device of a step on
     `global_batch` examples."""
     group_batch = global_batch // plan.mesh["batch"]
-    params = grads = reduced = 0
+    params = grads = slots = reduced = 0
     for layer in plan.layers:
         for path, shape in layer.node.weights.items():
             local = plan.local_elems(path, shape)
             params += local
             if path in layer.node.trainable:
                 grads += local
+                slots += plan.local_slot_elems(path, shape)
                 reduced += local if plan.gradient_group(layer) > 1 else 0
     # one process' tf.distribute data parallelism (a replicated plan) packs all gradients
     buffers = 2 * grads if not plan.layout and plan.mesh["batch"] > 1 else reduced
@@ -100,14 +103,23 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
         transient = max(transient, transient_elems(plan, layer) * group_batch)
     first = plan.layers[0]
     out = {"parameters": params * BYTES_PER_VALUE, "gradients": grads * BYTES_PER_VALUE,
-           "optimizer_slots": grads * slots_per_parameter * BYTES_PER_VALUE,
+           "optimizer_slots": slots * slots_per_parameter * BYTES_PER_VALUE,
            "activations": activations * BYTES_PER_VALUE,
            "input": first.node.out_elems * group_batch // plan.share(first.out_layout) * BYTES_PER_VALUE,
            "transient": transient * BYTES_PER_VALUE,
-           "update": (1 + min(slots_per_parameter, 1)) * grads * BYTES_PER_VALUE,
+           "update": _update_elems(plan, grads, slots, slots_per_parameter) * BYTES_PER_VALUE,
            "reduction_buffers": buffers * BYTES_PER_VALUE}
     out["total"] = sum(out.values())
     return out
+
+
+def _update_elems(plan: PlacementPlan, grads: int, slots: int, slots_per_parameter: int) -> int:
+    """The optimizer's temporaries: the scaled gradient alone without momentum; with it, the
+    decayed gradient and the new velocity on the slot's shard, plus, where slots are sharded
+    over `batch`, the new velocity all-gathered into the variable's layout."""
+    if not slots_per_parameter:
+        return grads
+    return 2 * slots + (grads if plan.shard_slots else 0)
 
 
 def host_bytes(image_shape, batch_rows: int) -> dict:

@@ -38,6 +38,15 @@ Communication per step (what DTensor runs; BUILD_NOTES.md has the lowered graphs
             where nothing upstream has weights (no input gradient is computed);
   gradients every trainable variable's gradient is summed over the devices that saw
             different rows: the B groups, times M for layers on ROWS.
+
+Optimizer state. With --shard_optimizer_state (B > 1 batch groups on a split layout), each
+momentum buffer is sharded over `batch` too (`slot_spec`, ZeRO stage 1): on its first dimension that is not split on
+`model` and divides by B. A group would otherwise keep the same momentum as the other B - 1.
+The update then runs on the slot's shard: the gradient's sum over `batch` arrives as that
+shard (a reduce-scatter), and the new velocity is all-gathered back into the variable, which
+together move what the all-reduce did (with NCCL; elsewhere DTensor reduce-scatters by an
+all-reduce and a slice, so the all-gather is extra). Variables no dimension of which divides
+(biases split on `model`) keep their variable's layout.
 """
 
 from __future__ import annotations
@@ -146,6 +155,7 @@ class PlacementPlan:
     specs: dict                # variable path -> spec (one mesh axis or '-' per dimension)
     output_layout: str         # the logits' layout (CHANNELS: gathered for the loss)
     num_classes: int
+    shard_slots: bool = False  # optimizer slots sharded over `batch` too (see the docstring)
 
     def __getitem__(self, name: str) -> LayerPlan:
         return self._by_name[name]
@@ -162,6 +172,22 @@ class PlacementPlan:
         spec = self.specs.get(path, ())
         share = int(np.prod([self.mesh[a] for a in spec if a != UNSPLIT])) if spec else 1
         return int(np.prod(shape)) // share
+
+    def slot_spec(self, path: str, shape) -> tuple:
+        """The spec of the optimizer slot of variable `path`: the variable's, with `batch` on its
+        first unsplit dimension that divides by B where slots are sharded."""
+        spec = list(self.specs.get(path) or [UNSPLIT] * len(shape))
+        if self.shard_slots:
+            for d, (axis, n) in enumerate(zip(spec, shape)):
+                if axis == UNSPLIT and n % self.mesh["batch"] == 0:
+                    spec[d] = "batch"
+                    break
+        return tuple(spec)
+
+    def local_slot_elems(self, path: str, shape) -> int:
+        """Values of variable `path`'s optimizer slot that one device holds."""
+        spec = self.slot_spec(path, shape)
+        return int(np.prod(shape)) // int(np.prod([self.mesh[a] for a in spec if a != UNSPLIT]))
 
     def gradient_group(self, layer: LayerPlan) -> int:
         """Devices whose gradients of the layer's weights are summed."""
@@ -260,9 +286,10 @@ def policy_rules(nodes: tuple, policy: str, model_name: str) -> list:
 
 
 def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model: bool = False,
-              nodes: tuple | None = None) -> PlacementPlan:
+              nodes: tuple | None = None, shard_slots: bool = False) -> PlacementPlan:
     """The placement of `model` (or of its graph `nodes`) under a built-in `layout` (or user
     `rules`, [(path regex, spec)]) on `mesh`; layout "" is a replicated model (single / data).
+    `shard_slots`: the optimizer's slots are sharded over `batch` too (`PlacementPlan.slot_spec`).
 
     Raises UsageError, naming the layer and the fix, where the model cannot be placed.
     """
@@ -280,8 +307,11 @@ def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model
     if out == ROWS:
         raise UsageError(f"{name}'s logits are still split on rows at the end: conv_data_fc_model needs a Dense "
                          "layer to gather the batch; use --layout=filter_split or fc_only")
+    # Only a split model replicated over several batch groups can shard its optimizer state
+    # over them (--shard_optimizer_state).
+    shard_slots = shard_slots and bool(layout or rules) and mesh["batch"] > 1
     return PlacementPlan(name, dict(mesh), layout if not rules else "rules", layers, specs, out,
-                         int(nodes[-1].out_shape[-1]))
+                         int(nodes[-1].out_shape[-1]), shard_slots)
 
 
 class _Walker:

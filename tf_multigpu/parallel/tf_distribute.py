@@ -158,6 +158,10 @@ class DistributeParallelism:
         """Every device holds the whole variable."""
         return list(variable.shape)
 
+    def relayout_like(self, value, variable):
+        """Slots are mirrored like their variables: nothing to move."""
+        return value
+
     def to_numpy(self, variable):
         """The value of a (mirrored) variable, as one array."""
         return variable.numpy()

@@ -7,6 +7,11 @@ different optimizer, so the decay is folded into the gradient here. Only kernels
 
 `update_step` applies the freshly computed velocity tensor instead of re-reading the slot
 variable: under DTensor, Keras' stock SGD re-read a stale slot and left the weights unchanged.
+
+A slot may be sharded more finely than its variable (a DTensor mesh with several batch groups
+shards the momentum over them: parallel/placement.py, `slot_spec`). The update is then computed
+on the slot's shard and the new velocity brought back to the variable's layout, through the
+parallelism's `relayout_like` (the identity elsewhere).
 """
 
 import keras
@@ -22,22 +27,31 @@ class MomentumSGD(NamedGradientAllReduce, keras.optimizers.SGD):
     The replicas' gradient all-reduce is named allreduce/gradients in profiles (the mixin).
     """
 
-    def __init__(self, learning_rate=0.01, momentum=0.9, l2=0.0, **kwargs):
+    def __init__(self, learning_rate=0.01, momentum=0.9, l2=0.0, relayout_like=None, **kwargs):
         super().__init__(learning_rate=learning_rate, momentum=momentum, **kwargs)
         self.l2 = l2
+        self.relayout_like = relayout_like or (lambda value, variable: value)
 
     def update_step(self, gradient, variable, learning_rate):
         lr = ops.cast(learning_rate, variable.dtype)
         grad = ops.cast(gradient, variable.dtype)
-        if self.l2 and len(variable.shape) >= 2:
-            grad = grad + ops.cast(self.l2, variable.dtype) * variable
         if not self.momentum:
+            if self.l2 and len(variable.shape) >= 2:
+                grad = grad + ops.cast(self.l2, variable.dtype) * variable
             self.assign_sub(variable, lr * grad)
             return
         velocity = self.momentums[optimizer_variable_index(self, variable)]
+        # On the slot's shard: the gradient's sum arrives there, and the decay reads that
+        # shard of the weights. The gradient is pinned to its variable's layout first: DTensor
+        # would otherwise ask the op that makes it for the shard's layout, which a stock
+        # convolution's backward refuses ("only supports batch parallel layouts").
+        grad = self.relayout_like(self.relayout_like(grad, variable), velocity)
+        if self.l2 and len(variable.shape) >= 2:
+            weights = self.relayout_like(ops.convert_to_tensor(variable), velocity)
+            grad = grad + ops.cast(self.l2, variable.dtype) * weights
         new_velocity = ops.cast(self.momentum, variable.dtype) * velocity - lr * grad
         self.assign(velocity, new_velocity)
-        self.assign_add(variable, new_velocity)
+        self.assign_add(variable, self.relayout_like(new_velocity, variable))
 
     def get_config(self):
         return {**super().get_config(), "l2": self.l2}

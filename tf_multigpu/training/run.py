@@ -101,7 +101,8 @@ def build_run(cfg: Config, devices: list[str], runtime=None, *, source: ImageSou
     get_factory(cfg.model)   # an unknown model is reported before anything is built
     source = load_run_source(cfg) if source is None else source
     par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh_shape,
-                           cfg.layout, cfg.layout_rule_list, runtime=runtime, batchnorm=cfg.batchnorm)
+                           cfg.layout, cfg.layout_rule_list, runtime=runtime, batchnorm=cfg.batchnorm,
+                           shard_optimizer_state=cfg.shard_optimizer_state)
     role = WorkerRole(runtime, shared_checkpoints=cfg.strategy in ("model", "hybrid"))
     per_epoch = steps_per_epoch(source, cfg.batch_size)
     paths = run_dir.check_previous_run(cfg) if cfg.run_dir else None
@@ -178,7 +179,7 @@ def build_model_and_optimizer(cfg: Config, par, source, total_steps: int, **mode
     with par.scope():
         optimizer = MomentumSGD(
             learning_rate_schedule(cfg.learning_rate, cfg.lr_schedule, total_steps, cfg.warmup_steps),
-            momentum=cfg.momentum, l2=cfg.weight_decay)
+            momentum=cfg.momentum, l2=cfg.weight_decay, relayout_like=par.relayout_like)
         if cfg.dtype == "float16":   # float16 gradients underflow without loss scaling
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         # Build the slots now, inside the scope, so they are mirrored like their variables.
