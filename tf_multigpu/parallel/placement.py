@@ -40,8 +40,9 @@ Communication per step (what DTensor runs; BUILD_NOTES.md has the lowered graphs
             different rows: the B groups, times M for layers on ROWS.
 
 Optimizer state. With --shard_optimizer_state (B > 1 batch groups on a split layout), each
-momentum buffer is sharded over `batch` too (`slot_spec`, ZeRO stage 1): on its first dimension that is not split on
-`model` and divides by B. A group would otherwise keep the same momentum as the other B - 1.
+momentum buffer is sharded over `batch` too (`slot_spec`, ZeRO stage 1): on its first
+dimension that is not split on `model` and divides by B. A group would otherwise keep the
+same momentum as the other B - 1.
 The update then runs on the slot's shard: the gradient's sum over `batch` arrives as that
 shard (a reduce-scatter), and the new velocity is all-gathered back into the variable, which
 together move what the all-reduce did (with NCCL; elsewhere DTensor reduce-scatters by an
@@ -169,9 +170,7 @@ class PlacementPlan:
 
     def local_elems(self, path: str, shape) -> int:
         """Values of variable `path` that one device holds."""
-        spec = self.specs.get(path, ())
-        share = int(np.prod([self.mesh[a] for a in spec if a != UNSPLIT])) if spec else 1
-        return int(np.prod(shape)) // share
+        return self._local(self.specs.get(path, ()), shape)
 
     def slot_spec(self, path: str, shape) -> tuple:
         """The spec of the optimizer slot of variable `path`: the variable's, with `batch` on its
@@ -186,7 +185,9 @@ class PlacementPlan:
 
     def local_slot_elems(self, path: str, shape) -> int:
         """Values of variable `path`'s optimizer slot that one device holds."""
-        spec = self.slot_spec(path, shape)
+        return self._local(self.slot_spec(path, shape), shape)
+
+    def _local(self, spec, shape) -> int:
         return int(np.prod(shape)) // int(np.prod([self.mesh[a] for a in spec if a != UNSPLIT]))
 
     def gradient_group(self, layer: LayerPlan) -> int:
