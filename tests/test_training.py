@@ -80,3 +80,28 @@ def test_steps_zero_exports_the_initial_model(cfg, devices):
     assert summary["step"] == 0
     assert 0.0 <= summary["test_accuracy"] < 0.5      # untrained
     assert os.path.exists(os.path.join(cfg.run_dir, "export", "saved_model.pb"))
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_window_of_steps_traces_a_named_step_once(devices, named):
+    """The compiled window sums N steps' scalars. A step that names its scalars (every step of
+    training/step.py) is traced once, inside the loop; an unnamed one twice (the first step
+    outside it gives the totals' structure). Tracing a large model costs as much as a step."""
+    from tf_multigpu.parallel import make_parallelism
+    from tf_multigpu.training.step import SCALARS
+
+    traces = []
+
+    def step(x):
+        traces.append(1)
+        return {"loss_sum": tf.reduce_sum(x), "correct": tf.reduce_sum(x) * 2, "count": tf.ones([])}
+
+    if named:
+        step.scalars = SCALARS
+    par = make_parallelism("data", devices[:2], 4)
+    run = par.compile(step)
+    batches = iter(par.distribute(lambda b: tf.data.Dataset.range(100).map(lambda i: (tf.cast(i, tf.float32),))
+                                  .batch(b)))
+    totals = {k: float(v) for k, v in run(batches, tf.constant(3)).items()}
+    assert totals == {"loss_sum": 66.0, "correct": 132.0, "count": 6.0}   # rows 0..11, 2 replicas x 3 steps
+    assert len(traces) == (1 if named else 2) * 2   # strategy.run traces the step once per replica

@@ -7,6 +7,9 @@ and sums the returned scalars over replicas; means are formed from sums and coun
 import keras
 import tensorflow as tf
 
+# What every step returns: float32 scalars, summed over replicas (and steps) by the loop.
+SCALARS = ("loss_sum", "correct", "count")
+
 
 def make_train_step(model, optimizer, global_batch: int, jit_compile: bool = False):
     """(images, labels) -> {loss_sum, correct, count}, after one SGD update.
@@ -37,6 +40,7 @@ def make_train_step(model, optimizer, global_batch: int, jit_compile: bool = Fal
         optimizer.apply(grads, model.trainable_variables)
         return sums
 
+    train_step.scalars = SCALARS
     return train_step
 
 
@@ -48,14 +52,17 @@ def make_eval_step(model):
         per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
         return _sums(per_example, logits, labels, weights)
 
+    eval_step.scalars = SCALARS
     return eval_step
 
 
 def _sums(per_example, logits, labels, weights):
     weights = tf.cast(weights, tf.float32)
     hits = tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), labels), tf.float32)
-    return {
+    sums = {
         "loss_sum": tf.reduce_sum(per_example * weights),
         "correct": tf.reduce_sum(hits * weights),
         "count": tf.reduce_sum(weights),
     }
+    assert tuple(sums) == SCALARS
+    return sums
