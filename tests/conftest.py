@@ -3,7 +3,6 @@
 Every multi-device test runs on these (the first N of them), so the suite needs no GPU.
 """
 
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -31,16 +30,6 @@ def run_cli(*args, timeout=300, env=None):
     return subprocess.run([sys.executable, "-m", "tf_multigpu.train", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
-
-
-def run_clis(*arg_lists, timeout=300, parallel=2):
-    """run_cli for each list of arguments, `parallel` at a time; the CompletedProcesses in order.
-
-    For a fixture's independent short runs: each spends its first seconds importing
-    TensorFlow and tracing on one thread, and on two cores the other run's work fills the
-    other core."""
-    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-        return list(pool.map(lambda args: run_cli(*args, timeout=timeout), arg_lists))
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.conftest import REPO, run_clis
+from tests.conftest import REPO, run_cli
 
 PAPER = {   # flagfile -> (strategy, devices used, mesh)
     "paper_1gpu": ("single", 1, None),
@@ -27,29 +27,19 @@ def test_every_flagfile_opens_with_its_command():
             assert first.startswith(f"# tf-multigpu-train --flagfile=flags/{os.path.basename(path)}"), path
 
 
-@pytest.fixture(scope="module")
-def paper_runs(tmp_path_factory):
-    """--steps=0 builds the model on each configuration's devices and evaluates it; the
-    overrides swap ImageNet for synthetic data at 64x64 so it runs anywhere. The five runs are
-    independent processes, two at a time: {flagfile: (run directory, CompletedProcess)}."""
-    root = tmp_path_factory.mktemp("paper")
-    names = sorted(PAPER)
-    done = run_clis(*([f"--flagfile=flags/{name}.flags", f"--run_dir={root / name}", "--dataset=synthetic",
-                       "--image_size=64", "--steps=0", "--noexport", "--cpu_devices=4"] for name in names),
-                    timeout=600)
-    return {name: (root / name, result) for name, result in zip(names, done)}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PAPER))
-def test_paper_configuration_builds(name, paper_runs):
-    run_dir, done = paper_runs[name]
+def test_paper_configuration_builds(name, tmp_path):
+    """--steps=0 builds the model on the configuration's devices and evaluates it; the
+    overrides swap ImageNet for synthetic data at 64x64 so it runs anywhere."""
+    done = run_cli(f"--flagfile=flags/{name}.flags", f"--run_dir={tmp_path / 'run'}", "--dataset=synthetic",
+                   "--image_size=64", "--steps=0", "--noexport", "--cpu_devices=4", timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     strategy, devices, mesh = PAPER[name]
     assert (summary["strategy"], len(summary["devices"]), summary["global_batch"], summary["model"]) == (
         strategy, devices, 256, "alexnet")
-    config = json.load(open(run_dir / "config.json"))
+    config = json.load(open(tmp_path / "run" / "config.json"))
     assert (config["learning_rate"], config["momentum"], config["weight_decay"], config["lr_schedule"]) == (
         0.01, 0.9, 5e-4, "step")
     if mesh:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import REPO, run_cli, run_clis
+from tests.conftest import REPO, run_cli
 from tests.helpers import checkpoint_values
 from tf_multigpu.profiling import xspace
 
@@ -27,24 +27,25 @@ BATCH = 64
 pytestmark = pytest.mark.slow
 
 
+def _train(run_dir, *flags):
+    done = run_cli(f"--run_dir={run_dir}", f"--batch_size={BATCH}", "--steps=5", "--log_every=5", *flags)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Six short runs, two at a time (independent processes; the reports are read from each)."""
     root = tmp_path_factory.mktemp("profiled")
     profile = "--profile_steps=3,4"
-    flags = {
-        "data2": ["--strategy=data", "--cpu_devices=2", profile],
-        "data4": ["--strategy=data", "--cpu_devices=4", profile],
-        "model2": ["--strategy=model", "--cpu_devices=2", profile],
-        "trick4": ["--strategy=model", "--layout=conv_data_fc_model", "--cpu_devices=4", profile],
-        "single": ["--strategy=single", profile],
-        "data2_plain": ["--strategy=data", "--cpu_devices=2"],
+    return {
+        "data2": _train(root / "data2", "--strategy=data", "--cpu_devices=2", profile),
+        "data4": _train(root / "data4", "--strategy=data", "--cpu_devices=4", profile),
+        "model2": _train(root / "model2", "--strategy=model", "--cpu_devices=2", profile),
+        "trick4": _train(root / "trick4", "--strategy=model", "--layout=conv_data_fc_model", "--cpu_devices=4",
+                         profile),
+        "single": _train(root / "single", "--strategy=single", profile),
+        "data2_plain": _train(root / "data2_plain", "--strategy=data", "--cpu_devices=2"),
     }
-    done = run_clis(*([f"--run_dir={root / name}", f"--batch_size={BATCH}", "--steps=5", "--log_every=5", *f]
-                      for name, f in flags.items()))
-    for name, result in zip(flags, done):
-        assert result.returncode == 0, (name, result.stderr[-3000:])
-    return {name: root / name for name in flags}
 
 
 def _report(run_dir):
