@@ -3,6 +3,7 @@
 Every multi-device test runs on these (the first N of them), so the suite needs no GPU.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -34,3 +35,16 @@ def run_cli(*args, timeout=300, env=None):
 @pytest.fixture
 def devices():
     return DEVICES
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """The README's default command (`--run_dir` alone: data parallel on 2 logical CPU devices,
+    15 epochs of digits), run once: (run directory, CompletedProcess, its JSON summary).
+
+    test_cli checks it as the quick start; the bfloat16/XLA and hybrid training tests take it
+    as their float32 data-parallel reference instead of training the same run again."""
+    run_dir = str(tmp_path_factory.mktemp("default_run") / "quickstart")
+    done = run_cli(f"--run_dir={run_dir}", timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir, done, json.loads(done.stdout.strip().splitlines()[-1])

@@ -74,11 +74,8 @@ def test_missing_run_dir():
 
 
 @pytest.mark.slow
-def test_default_command_learns_digits_and_exports_a_servable_model(tmp_path):
-    run_dir = str(tmp_path / "quickstart")
-    done = run_cli(f"--run_dir={run_dir}", timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+def test_default_command_learns_digits_and_exports_a_servable_model(default_run):
+    run_dir, _, summary = default_run   # `--run_dir` alone, within 180 s (conftest.py)
     assert summary["strategy"] == "data" and len(summary["devices"]) == 2
     assert summary["test_accuracy"] >= 0.97
     assert summary["wall_time_s"] < 180

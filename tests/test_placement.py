@@ -96,6 +96,19 @@ def test_sharded_optimizer_state_halves_the_momentum_of_a_hybrid_pair_of_groups(
     assert one_group.slot_spec("conv2_block1_1_conv/kernel", (1, 1, 64, 64)) == ("-", "-", "-", "model")
 
 
+@pytest.mark.parametrize("layout", ["filter_split", "fc_only"])
+def test_the_narrow_mobilenet_v2_of_the_slow_tests_is_placed_like_the_full_one(mobilenet_v2, layout):
+    """test_parity.py and test_model_parallel.py run MobileNetV2 at width 0.35 to save time:
+    its plan on their 2x2 mesh has the same layers, implementations, layouts and collectives
+    as the full width's, so the checks there hold for the full model's placement too."""
+    def decisions(model):
+        plan = make_plan(model, layout, [], {"batch": 2, "model": 2})
+        return [(p.node.cls, p.impl, p.in_layouts, p.out_layout, p.gathers, p.kernel_split,
+                 [(c.op, c.axis, c.phase) for c in p.collectives]) for p in plan.layers], plan.output_layout
+    narrow = decisions(user_models.mobilenet_v2_035((32, 32, 3), 10))
+    assert narrow == decisions(mobilenet_v2) and len(narrow[0]) == 156
+
+
 def test_layers_are_chosen_by_type_not_by_name():
     model = user_models.renamed_convnet((16, 16, 3), 10)
     plan = make_plan(model, "filter_split", [], {"batch": 1, "model": 2})

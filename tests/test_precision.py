@@ -3,6 +3,7 @@ the step still equals one device's, within a tolerance that fits the precision, 
 reaches the float32 accuracy."""
 
 import json
+import os
 
 import pytest
 
@@ -74,9 +75,14 @@ def test_xla_model_and_hybrid_step_equals_one_device(strategy, mesh):
 
 
 @pytest.mark.slow
-def test_bfloat16_and_xla_train_digits_to_the_float32_accuracy(tmp_path):
-    accuracy = {}
-    for name, flags in [("float32", []), ("bfloat16", ["--dtype=bfloat16"]), ("xla", ["--xla"])]:
+def test_bfloat16_and_xla_train_digits_to_the_float32_accuracy(tmp_path, default_run):
+    # float32: the default command (conftest.py), which is these runs without --dtype/--xla.
+    run_dir, _, summary = default_run
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    assert (config["dtype"], config["xla"], summary["strategy"], len(summary["devices"])) == (
+        "float32", False, "data", 2)
+    accuracy = {"float32": summary["test_accuracy"]}
+    for name, flags in [("bfloat16", ["--dtype=bfloat16"]), ("xla", ["--xla"])]:
         done = run_cli(f"--run_dir={tmp_path / name}", "--cpu_devices=2", *flags, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         accuracy[name] = json.loads(done.stdout.strip().splitlines()[-1])["test_accuracy"]

@@ -33,6 +33,16 @@ def mobilenet_v2(input_shape, num_classes, **_):
                                           classifier_activation=None)
 
 
+def mobilenet_v2_035(input_shape, num_classes, **_):
+    """keras.applications' MobileNetV2 at width 0.35 (random weights), logits out: the same
+    layers as mobilenet_v2 (17 depthwise convolutions, BatchNorm, residual adds, zero
+    padding) with a third of the channels (each a multiple of 8), so a cheaper step for the
+    slow tests. Their parity and export checks are about which layers there are and how they
+    are split, not how wide they are (test_placement checks the plans are the same)."""
+    return keras.applications.MobileNetV2(weights=None, input_shape=input_shape, classes=num_classes,
+                                          classifier_activation=None, alpha=0.35)
+
+
 def renamed_convnet(input_shape, num_classes, **_):
     """Conv2D, BatchNormalization, a residual Add, average pooling and no hidden Dense, with
     names nothing like conv, fc or dense: placement must go by what layers are."""
