@@ -163,6 +163,9 @@ class DistributeParallelism:
                 totals = {k: v + new for (k, v), new in zip(totals.items(), one_step(iterator).values())}
             return totals
 
+        # One step alone, whose graph holds that step's collectives at its top level (the
+        # window's are inside its loop's body): the communication report traces it, once.
+        run.one_step = tf.function(one_step)
         return run
 
     def local_shape(self, variable) -> list:

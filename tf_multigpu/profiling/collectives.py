@@ -66,11 +66,9 @@ def _op_kind(op_type: str) -> str | None:
 
 
 def from_function_graph(graph, device: str) -> list[CollectiveOp]:
-    """Collectives on `device` at the top level of a traced tf.distribute step function.
-
-    Our `run` function traces the first step at the top level and the rest in a loop body,
-    so the top level holds exactly one step's collectives.
-    """
+    """Collectives on `device` at the top level of a traced tf.distribute step function:
+    the graph of one step (`DistributeParallelism.compile(...).one_step`), which holds exactly
+    that step's collectives."""
     found = []
     for op in graph.get_operations():
         kind_of_op = _op_kind(op.type)

@@ -52,7 +52,7 @@ class StepProfiler:
                                 "are not counted")
                 found = []
         else:
-            graph = train_fn.get_concrete_function(iterator, tf.constant(window)).graph
+            graph = train_fn.one_step.get_concrete_function(iterator).graph
             found = coll.from_function_graph(graph, self.par.devices[0])
         self.collectives = found
         return sums
