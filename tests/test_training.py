@@ -105,3 +105,16 @@ def test_a_window_of_steps_traces_a_named_step_once(devices, named):
     totals = {k: float(v) for k, v in run(batches, tf.constant(3)).items()}
     assert totals == {"loss_sum": 66.0, "correct": 132.0, "count": 6.0}   # rows 0..11, 2 replicas x 3 steps
     assert len(traces) == (1 if named else 2) * 2   # strategy.run traces the step once per replica
+
+
+def test_plain_sgd_decays_kernels_inside_the_gradient():
+    """momentum=0: w <- w - lr * (g + wd * w) for kernels (rank >= 2), w <- w - lr * g for biases."""
+    import keras
+
+    from tf_multigpu.training.optimizer import MomentumSGD
+
+    kernel, bias = keras.Variable(np.full((2, 2), 2.0, np.float32)), keras.Variable(np.full((2,), 2.0, np.float32))
+    opt = MomentumSGD(0.5, momentum=0.0, l2=0.1)
+    opt.apply([tf.ones((2, 2)), tf.ones((2,))], [kernel, bias])
+    np.testing.assert_allclose(kernel.numpy(), 2.0 - 0.5 * (1.0 + 0.1 * 2.0))
+    np.testing.assert_allclose(bias.numpy(), 2.0 - 0.5 * 1.0)

@@ -35,20 +35,19 @@ class MomentumSGD(NamedGradientAllReduce, keras.optimizers.SGD):
     def update_step(self, gradient, variable, learning_rate):
         lr = ops.cast(learning_rate, variable.dtype)
         grad = ops.cast(gradient, variable.dtype)
-        if not self.momentum:
-            if self.l2 and len(variable.shape) >= 2:
-                grad = grad + ops.cast(self.l2, variable.dtype) * variable
-            self.assign_sub(variable, lr * grad)
-            return
-        velocity = self.momentums[optimizer_variable_index(self, variable)]
+        velocity = self.momentums[optimizer_variable_index(self, variable)] if self.momentum else None
         # On the slot's shard: the gradient's sum arrives there, and the decay reads that
         # shard of the weights. The gradient is pinned to its variable's layout first: DTensor
         # would otherwise ask the op that makes it for the shard's layout, which a stock
         # convolution's backward refuses ("only supports batch parallel layouts").
-        grad = self.relayout_like(self.relayout_like(grad, variable), velocity)
+        shard = variable if velocity is None else velocity
+        grad = self.relayout_like(self.relayout_like(grad, variable), shard)
         if self.l2 and len(variable.shape) >= 2:
-            weights = self.relayout_like(ops.convert_to_tensor(variable), velocity)
+            weights = self.relayout_like(ops.convert_to_tensor(variable), shard)
             grad = grad + ops.cast(self.l2, variable.dtype) * weights
+        if velocity is None:
+            self.assign_sub(variable, lr * grad)
+            return
         new_velocity = ops.cast(self.momentum, variable.dtype) * velocity - lr * grad
         self.assign(velocity, new_velocity)
         self.assign_add(variable, self.relayout_like(new_velocity, variable))
