@@ -81,7 +81,7 @@ class DTensorParallelism:
         per_client = len(self.local_groups)
         self.input_shard = (self.local_groups[0] // per_client, mesh_shape["batch"] // per_client)
         self.batch_on_model = batch_on_model   # the input's batch sharded on `model` (mesh 1 x N)
-        self.shard_slots = shard_slots         # momentum sharded over `batch` too (placement.slot_spec)
+        self.shard_slots = shard_slots         # asked for; the plan says where it applies (B > 1)
         self.plan: PlacementPlan | None = None   # set by build_model
         self._by_path = {}       # variable path -> layout (slots look theirs up here)
         self._layouts = {}       # id(DVariable) -> its layout (relayout_like)
@@ -120,7 +120,7 @@ class DTensorParallelism:
         """`value` in the layout of (Keras or DTensor) `variable`: the optimizer's hook for slots
         sharded more finely than their variables (placement.slot_spec). Sharding a value that
         is replicated on `batch` is local slicing; the way back is an all-gather over `batch`."""
-        if not self.shard_slots:   # every slot has its variable's layout: nothing to move
+        if not self.plan.shard_slots:   # every slot has its variable's layout: nothing to move
             return value
         layout = self._layouts[id(variable if isinstance(variable, tf.Variable) else variable.value)]
         return dtensor.relayout(value, layout)
