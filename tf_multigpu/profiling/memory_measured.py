@@ -62,15 +62,12 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _cpu_allocator_stats(reset: bool) -> bool:
-    """Whether TensorFlow's CPU allocator keeps statistics (it does with oneDNN, TF's default on
-    x86; with TF_ENABLE_ONEDNN_OPTS=0 it keeps none: "Cannot reset memory stats for device
-    'CPU:0'"), resetting its peak if asked."""
+def _reset_cpu_allocator_stats() -> bool:
+    """Resets the peak of TensorFlow's CPU allocator; False where it keeps no statistics (it
+    does with oneDNN, TF's default on x86; with TF_ENABLE_ONEDNN_OPTS=0 it keeps none: "Cannot
+    reset memory stats for device 'CPU:0'")."""
     try:
-        if reset:
-            tf.config.experimental.reset_memory_stats("CPU:0")
-        else:
-            tf.config.experimental.get_memory_info("CPU:0")
+        tf.config.experimental.reset_memory_stats("CPU:0")
         return True
     except ValueError:
         return False
@@ -83,7 +80,7 @@ class MemoryMeter:
         self.gpus = [d.split("device:")[-1] for d in devices if "GPU" in d.split("device:")[-1].upper()]
         for device in self.gpus:
             tf.config.experimental.reset_memory_stats(device)
-        self.cpu_stats = _cpu_allocator_stats(reset=not self.gpus)
+        self.cpu_stats = not self.gpus and _reset_cpu_allocator_stats()   # only CPUs report it
         self.peak_reset = reset_peak_rss()
         self.baseline = rss_bytes()
 
