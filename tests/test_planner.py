@@ -184,6 +184,7 @@ def test_measure_profiles_the_logical_devices_in_seconds(devices):
     assert time.perf_counter() - start < 30
     assert p.flops_per_s > 1e8 and p.link_bandwidth_bytes_per_s > 1e7 and 0 < p.link_latency_s < 0.1
     assert p.split_conv_overhead > 0 and p.num_devices == 2
+    assert 0 <= p.split_conv_replicated <= 1
     # Issue 14: the memory-bound update and the per-op overhead, with all devices busy and alone.
     assert 0 < p.per_op_overhead_s < 0.01
     assert p.memory_bandwidth_bytes_per_s > 1e7 and p.single_device_memory_bandwidth_bytes_per_s > 1e7
@@ -195,6 +196,21 @@ def test_measure_profiles_the_logical_devices_in_seconds(devices):
     assert plan.compute_s - bare.compute_s == pytest.approx(update + p.per_op_overhead_s * planner.predict.op_count(
         placement(planner.analyze(build_model("small_convnet", (8, 8, 1), 10)), None, {"batch": 2, "model": 1}),
         "data"))
+
+
+def test_a_split_convolution_divides_only_its_filters_share_over_the_model_axis(alexnet_cost):
+    """Issue 14: every device of a `model` group builds the patches of its whole input (the
+    profile's split_conv_replicated share of the split convolution's time); only the rest
+    divides by M. With no replicated share, the prediction is the old one."""
+    split = {"peak_flops_per_s": 1e12, "split_conv_overhead": 1.5}
+    compute = {r: {m: predict_plan(alexnet_cost, _profile(**split, split_conv_replicated=r), 64, "model", 1, m,
+                                   "filter_split").compute_s for m in (2, 4)} for r in (0.0, 0.4)}
+    convs = [p for p in placement(alexnet_cost, "filter_split", {"batch": 1, "model": 4}) if p.split_conv_flops]
+    per_device = sum(p.split_conv_flops for p in convs) * 64   # the einsum's FLOPs, divided by 4
+    extra = 1.5 * per_device * (0.4 * 4 + 0.6 - 1) / 1e12       # r*M + (1 - r) - 1, in seconds
+    assert compute[0.4][4] - compute[0.0][4] == pytest.approx(extra, rel=1e-9)
+    # With the replicated share, doubling the devices divides the convolutions' time by less.
+    assert compute[0.4][2] / compute[0.4][4] < compute[0.0][2] / compute[0.0][4]
 
 
 def test_kendall_tau_of_the_comparison_tool():

@@ -49,6 +49,8 @@ class DeviceProfile:
     single_device_flops_per_s: float = 0.0   # one device alone (0: same as peak_flops_per_s)
     num_devices: int = 0                 # devices in the machine (0: unknown)
     split_conv_overhead: float = 0.0     # SplitConv2D / tf.nn.conv2d time (0: the planner's default)
+    split_conv_replicated: float = 0.0   # share of SplitConv2D's time that a split of its filters does
+                                         # not divide (building the patches of its whole input)
     native_split_conv: bool = False      # split convolutions run as native per-device convs (no im2col)
     topology: str = "ring"               # how copies share links: planner/comm.py TOPOLOGIES
     host_bandwidth_bytes_per_s: float = 0.0   # the root complex all host-crossing copies share (0: link's)
@@ -115,14 +117,18 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 16) -> Dev
 
     convs = _model_convs(model) if model is not None else []
     convs = convs or [((16, 16, 64), (3, 3, 64, 64), 1, "SAME")]
-    flops_all, flops_one = _conv_rate(devices, convs, batch), _conv_rate(devices[:1], convs, batch)
+    if model is not None:   # the whole model's step: its pooling, activations, loss and small layers too
+        flops_all, flops_one = _model_rate(devices, model, batch), _model_rate(devices[:1], model, batch * len(devices))
+    else:
+        flops_all, flops_one = _conv_rate(devices, convs, batch), _conv_rate(devices[:1], convs, batch)
     bandwidth, latency = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib)
-    overhead = _split_conv_overhead(devices[0], convs, batch)
+    overhead, replicated = _split_conv_overhead(devices[0], convs, batch)
     memory_all, memory_one = _update_bandwidth(devices), _update_bandwidth(devices[:1])
     return DeviceProfile(
         name="measured", peak_flops_per_s=flops_all, memory_bytes=_memory_per_device(devices),
         link_bandwidth_bytes_per_s=bandwidth, link_latency_s=latency, compute_efficiency=1.0,
         single_device_flops_per_s=flops_one, num_devices=len(devices), split_conv_overhead=overhead,
+        split_conv_replicated=replicated,
         per_op_overhead_s=_op_overhead(devices), memory_bandwidth_bytes_per_s=memory_all,
         single_device_memory_bandwidth_bytes_per_s=memory_one,
         description=f"measured on {len(devices)} x {devices[0]}",
@@ -198,6 +204,45 @@ def _conv_rate(devices, convs, batch: int = 4) -> float:
     return _conv_flops(convs, batch) / _concurrent_seconds(devices, make, body)
 
 
+def _model_rate(devices, model, batch: int) -> float:
+    """FLOP/s (the cost model's count: convolutions, dense layers, pooling) each device sustains
+    running the model's forward and backward pass, loss included, while all of `devices` run it
+    at `batch` examples each. The FLOP count leaves out activations, normalisation, dropout and
+    the loss; on small feature maps those and the per-op costs are a large share of a step
+    (small_convnet on 8x8 digits: the convolutions alone ran 2x faster than the step), so the
+    rate is measured on the step they belong to. On GPUs each device gets its own copy of the
+    weights, as a replica has; logical CPU devices share the host's memory and read one copy."""
+    import keras
+    import tensorflow as tf
+
+    from tf_multigpu.planner.cost_model import analyze
+
+    flops = sum(layer.fwd_flops + layer.bwd_flops for layer in analyze(model).layers) * batch
+    copies = {}
+    for d in devices:
+        if "GPU" in d.upper() and d != devices[0]:
+            with tf.device(d):
+                copies[d] = keras.models.clone_model(model)
+                copies[d].set_weights(model.get_weights())
+        else:
+            copies[d] = model
+    classes = int(model.output_shape[-1])
+    order = iter(devices)
+
+    def make():
+        return (tf.random.uniform([batch, *model.input_shape[1:]]),
+                tf.random.uniform([batch], maxval=classes, dtype=tf.int32), copies[next(order)])
+
+    def body(x, y, net):
+        with tf.GradientTape() as tape:
+            logits = tf.cast(net(x, training=True), tf.float32)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+        grads = tape.gradient(loss, net.trainable_variables)
+        return loss + tf.add_n([tf.reduce_sum(g[:1]) for g in grads if g is not None])
+
+    return flops / _concurrent_seconds(devices, make, body)
+
+
 def _update_bandwidth(devices, mib: int = 8) -> float:
     """Bytes/s each device moves in a momentum update (read w, g, v; write v, w) while all of
     `devices` run one: the memory-bound work that every replica repeats on its own weights."""
@@ -269,9 +314,16 @@ def _allreduce_rates(devices, mib: int) -> tuple[float, float]:
     return bandwidth, small / hops
 
 
-def _split_conv_overhead(device: str, convs, batch: int = 4) -> float:
-    """Time of our filter-split convolution (im2col + einsum) over tf.nn.conv2d's on `convs`,
-    forward and backward."""
+def _split_conv_overhead(device: str, convs, batch: int = 4) -> tuple[float, float]:
+    """(time of our filter-split convolution over tf.nn.conv2d's on `convs`, forward and
+    backward; the share of ours that does not shrink when its filters are split).
+
+    A device of a `model` group builds the patches of its whole (gathered) input, for the
+    forward and again for the weight gradient, whatever share of the filters it holds; only
+    the contractions and the input gradient's patches of dy scale with its filters. So the
+    split convolution is timed with all the filters and with a quarter of them, and its time
+    on a device holding 1/M of them is t_all x (replicated + (1 - replicated) / M).
+    """
     import tensorflow as tf
 
     from tf_multigpu.parallel.split_conv import split_conv2d
@@ -279,12 +331,13 @@ def _split_conv_overhead(device: str, convs, batch: int = 4) -> float:
     with tf.device(device):
         pairs = [(tf.random.normal([batch, *shape]), tf.random.normal(kernel) * 0.05) for shape, kernel, _, _ in convs]
 
-    def step(conv):
+    def step(conv, filters=1.0):
         @tf.function
         def run():
             out = []
             with tf.device(device):
                 for (x, w), (_, _, stride, padding) in zip(pairs, convs):
+                    w = w[..., :max(1, round(w.shape[-1] * filters))]
                     with tf.GradientTape() as tape:
                         tape.watch([x, w])
                         y = tf.reduce_sum(conv(x, w, stride, padding))
@@ -293,8 +346,12 @@ def _split_conv_overhead(device: str, convs, batch: int = 4) -> float:
         return lambda: [t.numpy() for t in run()]
 
     ours = _best_time(step(split_conv2d), repeats=5)
+    quarter = _best_time(step(split_conv2d, 0.25), repeats=5)
     stock = _best_time(step(tf.nn.conv2d), repeats=5)
-    return ours / stock
+    # t(f) = a + b f over the share f of the filters: t(1) = ours, t(1/4) = quarter.
+    scaling = max(ours - quarter, 0.0) * 4 / 3
+    replicated = min(max((ours - scaling) / ours, 0.0), 1.0)
+    return ours / stock, replicated
 
 
 def _memory_per_device(devices) -> float:

@@ -161,10 +161,15 @@ def gradient_algorithm(profile: DeviceProfile, strategy: str, all_reduce: str = 
 
 def _layer_flops(p, layer, profile: DeviceProfile, overhead: float, m: int) -> float:
     """FLOPs one device runs for one layer per example: the im2col split convolution costs
-    `overhead` x its einsum's FLOPs, unless the machine splits convolutions natively."""
+    `overhead` x its einsum's FLOPs, unless the machine splits convolutions natively. The
+    profile's `split_conv_replicated` share of that (the patches of the whole input, which
+    every device of the `model` group builds) is not divided by M."""
     if p.split_conv_flops and profile.native_split_conv:
         return (layer.fwd_flops + layer.bwd_flops) / m
-    return p.fwd_flops + p.bwd_flops + (overhead - 1) * p.split_conv_flops
+    if not p.split_conv_flops:
+        return p.fwd_flops + p.bwd_flops
+    r = profile.split_conv_replicated
+    return overhead * p.split_conv_flops * (r * m + (1 - r))
 
 
 def op_count(layers, strategy: str) -> int:
