@@ -213,6 +213,29 @@ def test_a_split_convolution_divides_only_its_filters_share_over_the_model_axis(
     assert compute[0.4][2] / compute[0.4][4] < compute[0.0][2] / compute[0.0][4]
 
 
+def test_a_measured_rate_per_batch_prices_each_plan_at_its_own_examples_per_device(alexnet_cost):
+    """Issue 14: a CPU's rate grows with the batch, so a measured profile keeps one per batch
+    (interpolated in log(batch)); each plan's layers are priced at the examples each device
+    runs: the global batch over the batch groups, and a 1/M share of it for rows split over
+    `model` (conv_data_fc_model's convolutions)."""
+    from tf_multigpu.planner.device_profile import plan_batches
+    assert plan_batches(4, 64) == [16, 32, 64] and plan_batches(4, 256, cap=64) == [64]
+    rates = {16: 1e11, 64: 4e11}
+    profile = _profile(batch_flops_per_s=rates)
+    assert profile.flops_at(8) == 1e11 and profile.flops_at(32) == pytest.approx(2.5e11)
+    assert profile.flops_at(512) == 4e11
+    flat = _profile(peak_flops_per_s=1e11)
+    for plan in [("data", 4, 1, ""), ("model", 1, 4, "fc_only"), ("model", 1, 4, "conv_data_fc_model")]:
+        fast, slow = predict_plan(alexnet_cost, profile, 64, *plan), predict_plan(alexnet_cost, flat, 64, *plan)
+        layers = placement(alexnet_cost, plan[3] or None, {"batch": plan[1], "model": plan[2]})
+        examples = [64 / plan[1] / (plan[2] if p.rows_split else 1) for p in layers]
+        expected = sum((p.fwd_flops + p.bwd_flops) * 64 / plan[1] * (1 / 1e11 - 1 / profile.flops_at(b))
+                       for p, b in zip(layers, examples))
+        assert slow.compute_s - fast.compute_s == pytest.approx(expected, rel=1e-9), plan
+    cdfm = placement(alexnet_cost, "conv_data_fc_model", {"batch": 1, "model": 4})
+    assert {p.rows_split for p in cdfm} == {True, False}   # the case above priced both ways
+
+
 def test_kendall_tau_of_the_comparison_tool():
     spec = importlib.util.spec_from_file_location("pvm", os.path.join(REPO, "tools", "plan_vs_measured.py"))
     module = importlib.util.module_from_spec(spec)

@@ -77,7 +77,7 @@ def main(argv):
     devices = configure_devices(0, FLAGS.cpu_devices)
     source = load_source(FLAGS.dataset, None, FLAGS.image_size)
     model = build_model(FLAGS.model, source.image_shape, source.num_classes)
-    profile = planner.measure(devices, model, max(FLAGS.batch_size // len(devices), 1))
+    profile = planner.measure(devices, model, max(FLAGS.batch_size // len(devices), 1), global_batch=FLAGS.batch_size)
     cost = planner.analyze(model)
     table = planner.plan_table(cost, profile, len(devices), FLAGS.batch_size)
     plans = [p for p in table.plans if p.fits]
@@ -101,12 +101,14 @@ def main(argv):
             f"{plans[i].label} vs {plans[j].label} (predicted {predicted[i] * 1e3:.0f} vs {predicted[j] * 1e3:.0f} ms, "
             f"measured {measured[i] * 1e3:.0f} vs {measured[j] * 1e3:.0f} ms)" for i, j in disagree))
     p = profile
-    print(f"\nMeasured profile: {p.flops_per_s / 1e9:.1f} GFLOP/s per device (the model's convs, fwd+bwd) "
-          "with all busy, "
+    rates = ", ".join(f"{r / 1e9:.1f} at {b}" for b, r in sorted(p.batch_flops_per_s.items()))
+    print(f"\nMeasured profile: GFLOP/s per device (the model's step, fwd+bwd) with all busy {rates} "
+          "examples per device, "
           f"{p.alone_flops_per_s / 1e9:.1f} alone; momentum update {p.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s "
           f"per device with all busy, {p.single_device_memory_bandwidth_bytes_per_s / 1e9:.2f} alone; "
           f"{p.per_op_overhead_s * 1e6:.1f} us per op; all-reduce {p.link_bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
-          f"{p.link_latency_s * 1e6:.0f} us per hop; split conv {p.split_conv_overhead:.2f}x tf.nn.conv2d. "
+          f"{p.link_latency_s * 1e6:.0f} us per hop; split conv {p.split_conv_overhead:.2f}x tf.nn.conv2d, "
+          f"{p.split_conv_replicated:.2f} of it not divided by the filters' split. "
           f"Load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} (2 cores).")
 
 

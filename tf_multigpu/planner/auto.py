@@ -41,7 +41,8 @@ def resolve_strategy(cfg: Config, devices, source, profile=None) -> tuple[Config
     model = build_model(cfg.model, source.image_shape, source.num_classes)
     cost = analyze(model)
     if profile is None:
-        profile = (measure(devices, model, max(cfg.batch_size // len(devices), 1)) if cfg.profile == "measure"
+        profile = (measure(devices, model, max(cfg.batch_size // len(devices), 1), global_batch=cfg.batch_size)
+                   if cfg.profile == "measure"
                    else load(cfg.profile))
     table = plan_table(cost, profile, len(devices), cfg.batch_size)
     best = table.best

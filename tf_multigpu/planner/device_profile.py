@@ -4,10 +4,14 @@ A DeviceProfile comes from a JSON file (`profiles/NAME.json` ships a few well-kn
 each number with its source) or from `measure(devices)`, a micro-benchmark of a few seconds
 on the devices a run will use:
 
-- compute: the model's convolutions (or a 3x3 one) forward and backward on every device at once (the rate each
-  device keeps while all are busy, which is what a parallel step sees), and on the first
-  device alone (logical CPU devices share the same cores, so one device alone runs up to N
-  times faster; on GPUs the two rates are the same).
+- compute: the model's whole forward and backward step (or, without a model, a 3x3
+  convolution) on every device at once, at each per-device batch the plans run (the rate each
+  device keeps while all are busy, which is what a parallel step sees; a CPU's rate grows
+  with the batch), and on the first device alone at the global batch (logical CPU devices
+  share the same cores, so one device alone runs up to N times faster; on GPUs the two rates
+  are the same).
+- the split convolution: its time over tf.nn.conv2d's on the model's convolutions, and the
+  share of it that a split of the filters does not divide (the patches of the whole input).
 - memory-bound work: a momentum update of 8 MiB on all devices at once and on one alone
   (every replica updates its own copy of its weights; on shared cores they share the memory
   bandwidth), and the per-operation overhead of a chain of scalar ops on all devices at once.
@@ -24,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import statistics
 import time
 
 from tf_multigpu.errors import UsageError
@@ -61,6 +67,8 @@ class DeviceProfile:
     per_op_overhead_s: float = 0.0       # fixed cost of launching one operation (measured profiles)
     memory_bandwidth_bytes_per_s: float = 0.0   # per device, all busy, for the optimizer update (0: not modelled)
     single_device_memory_bandwidth_bytes_per_s: float = 0.0   # one device alone (0: as above)
+    batch_flops_per_s: dict = dataclasses.field(default_factory=dict)   # examples per device -> FLOP/s
+                                         # per device, all busy (measured profiles; {}: peak x efficiency)
     description: str = ""
     source: dict = dataclasses.field(default_factory=dict)
 
@@ -68,6 +76,22 @@ class DeviceProfile:
     def flops_per_s(self) -> float:
         """The sustained rate of one device while all devices work."""
         return self.peak_flops_per_s * self.compute_efficiency
+
+    def flops_at(self, batch: float) -> float:
+        """The sustained rate of one device running `batch` examples while all devices work: a
+        CPU's rate grows with the batch (AlexNet 64x64 on 4 logical CPUs: 1.8x from 16 to 64
+        examples), so measured profiles keep a rate per batch, interpolated in log(batch) and
+        held constant past their ends."""
+        if not self.batch_flops_per_s:
+            return self.flops_per_s
+        points = sorted((float(b), r) for b, r in self.batch_flops_per_s.items())
+        if batch <= points[0][0]:
+            return points[0][1]
+        for (b0, r0), (b1, r1) in zip(points, points[1:]):
+            if batch <= b1:
+                t = math.log(batch / b0) / math.log(b1 / b0)
+                return r0 + t * (r1 - r0)
+        return points[-1][1]
 
     @property
     def alone_flops_per_s(self) -> float:
@@ -106,19 +130,26 @@ def load(name_or_path: str) -> DeviceProfile:
     return profile
 
 
-def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 16) -> DeviceProfile:
+def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 16, global_batch: int = 0) -> DeviceProfile:
     """A profile of `devices` (TensorFlow device names) from a few-second micro-benchmark.
 
     With a built Keras `model`, the convolution rate and the split convolution's overhead are
     timed on the model's own convolutions at `batch` examples per device (give the run's: a
     CPU's rate depends on it): small feature maps run far below a large layer's rate, and the
-    im2col overhead grows as maps shrink (BUILD_NOTES)."""
+    im2col overhead grows as maps shrink (BUILD_NOTES). With the run's `global_batch` too, the
+    whole model's step is timed at every per-device batch a plan on these devices runs
+    (`plan_batches`), with all devices busy, and on one device alone at the global batch."""
     import tensorflow as tf
 
     convs = _model_convs(model) if model is not None else []
     convs = convs or [((16, 16, 64), (3, 3, 64, 64), 1, "SAME")]
+    by_batch = {}
     if model is not None:   # the whole model's step: its pooling, activations, loss and small layers too
-        flops_all, flops_one = _model_rate(devices, model, batch), _model_rate(devices[:1], model, batch * len(devices))
+        sizes = plan_batches(len(devices), global_batch or batch * len(devices), _batch_cap(model, len(devices)))
+        by_batch = {b: _model_rate(devices, model, b) for b in sizes}
+        flops_all = by_batch[min(sizes)]
+        flops_one = _model_rate(devices[:1], model, min(global_batch or batch * len(devices),
+                                                         _batch_cap(model, 1)))
     else:
         flops_all, flops_one = _conv_rate(devices, convs, batch), _conv_rate(devices[:1], convs, batch)
     bandwidth, latency = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib)
@@ -130,11 +161,12 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 16) -> Dev
         single_device_flops_per_s=flops_one, num_devices=len(devices), split_conv_overhead=overhead,
         split_conv_replicated=replicated,
         per_op_overhead_s=_op_overhead(devices), memory_bandwidth_bytes_per_s=memory_all,
-        single_device_memory_bandwidth_bytes_per_s=memory_one,
+        single_device_memory_bandwidth_bytes_per_s=memory_one, batch_flops_per_s=by_batch,
         description=f"measured on {len(devices)} x {devices[0]}",
-        source={"method": f"{'the model' if model is not None else 'a 3x3 64->64 16x16'}'s convolutions, forward "
-                          "and backward, on all devices at once and on one alone (the FLOP rates), and as split "
-                          "convolutions against tf.nn.conv2d; momentum updates of 8 MiB (memory bandwidth, "
+        source={"method": f"{'the model' if model is not None else 'a 3x3 64->64 16x16 convolution'}'s "
+                          "step, forward and backward, on all devices at once per batch and on one alone (the FLOP "
+                          "rates); the model's convolutions as split convolutions (all filters and a quarter) "
+                          "against tf.nn.conv2d; momentum updates of 8 MiB (memory bandwidth, "
                           f"all at once and alone); chains of tiny ops (per-op overhead); MirroredStrategy ring "
                           f"all-reduce of {allreduce_mib} MiB and of 1 value",
                 "tensorflow": tf.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
@@ -204,13 +236,33 @@ def _conv_rate(devices, convs, batch: int = 4) -> float:
     return _conv_flops(convs, batch) / _concurrent_seconds(devices, make, body)
 
 
+# Most FLOPs one timing of the model's step may run on all devices together: past it the rate
+# is taken as the largest batch's (a rate stops growing with the batch long before; AlexNet at
+# 224x224 is timed at 7 examples per device on 4 devices, not at the paper's 64).
+MODEL_TIMING_FLOPS = 200e9
+
+
+def plan_batches(num_devices: int, global_batch: int, cap: int = 0) -> list[int]:
+    """The examples per device that the plans on `num_devices` run: the global batch split
+    over each divisor of the device count (data: over all; a B x M mesh: over B), at most `cap`."""
+    sizes = {max(global_batch // d, 1) for d in range(1, num_devices + 1) if num_devices % d == 0}
+    return sorted({min(b, cap) for b in sizes} if cap else sizes)
+
+
+def _batch_cap(model, num_devices: int) -> int:
+    """The largest per-device batch whose timing stays within MODEL_TIMING_FLOPS."""
+    from tf_multigpu.planner.cost_model import analyze
+
+    per_example = sum(layer.fwd_flops + layer.bwd_flops for layer in analyze(model).layers)
+    return max(1, int(MODEL_TIMING_FLOPS // max(per_example * num_devices, 1.0)))
+
+
 def _model_rate(devices, model, batch: int) -> float:
     """FLOP/s (the cost model's count: convolutions, dense layers, pooling) each device sustains
     running the model's forward and backward pass, loss included, while all of `devices` run it
     at `batch` examples each. The FLOP count leaves out activations, normalisation, dropout and
-    the loss; on small feature maps those and the per-op costs are a large share of a step
-    (small_convnet on 8x8 digits: the convolutions alone ran 2x faster than the step), so the
-    rate is measured on the step they belong to. On GPUs each device gets its own copy of the
+    the loss; on small feature maps those and the per-op costs are a large share of a step,
+    so the rate is measured on the step they belong to. On GPUs each device gets its own copy of the
     weights, as a replica has; logical CPU devices share the host's memory and read one copy."""
     import keras
     import tensorflow as tf
@@ -345,13 +397,15 @@ def _split_conv_overhead(device: str, convs, batch: int = 4) -> tuple[float, flo
             return out
         return lambda: [t.numpy() for t in run()]
 
-    ours = _best_time(step(split_conv2d), repeats=5)
-    quarter = _best_time(step(split_conv2d, 0.25), repeats=5)
-    stock = _best_time(step(tf.nn.conv2d), repeats=5)
+    # Interleaved rounds, and the median of each round's ratios: a difference of two timings
+    # (the replicated share) is noisy on shared cores, and so is one round.
+    runs = [step(split_conv2d), step(split_conv2d, 0.25), step(tf.nn.conv2d)]
+    rounds = [[_best_time(run, repeats=2) for run in runs] for _ in range(5)]
+    overhead = statistics.median(ours / stock for ours, _, stock in rounds)
     # t(f) = a + b f over the share f of the filters: t(1) = ours, t(1/4) = quarter.
-    scaling = max(ours - quarter, 0.0) * 4 / 3
-    replicated = min(max((ours - scaling) / ours, 0.0), 1.0)
-    return ours / stock, replicated
+    replicated = statistics.median(min(max(1 - max(ours - quarter, 0.0) * 4 / 3 / ours, 0.0), 1.0)
+                                   for ours, quarter, _ in rounds)
+    return overhead, replicated
 
 
 def _memory_per_device(devices) -> float:

@@ -194,11 +194,16 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
         layers = placement(cost, layout or None, {"batch": b, "model": m})
     except UsageError as e:
         return dataclasses.replace(plan, error=str(e))
-    rate = profile.alone_flops_per_s if strategy == "single" else profile.flops_per_s
     overhead = profile.split_conv_overhead or assumptions.split_conv_overhead
     by_name = {layer.name: layer for layer in cost.layers}
-    flops = sum(_layer_flops(p, by_name[p.name], profile, overhead, m) for p in layers) * group_batch
-    compute = flops / rate + profile.per_op_overhead_s * op_count(layers, strategy)
+
+    def rate(p):   # rows split over `model` run a 1/M share of the group's examples
+        if strategy == "single":
+            return profile.alone_flops_per_s
+        return profile.flops_at(group_batch / m if p.rows_split else group_batch)
+
+    compute = sum(_layer_flops(p, by_name[p.name], profile, overhead, m) * group_batch / rate(p) for p in layers)
+    compute += profile.per_op_overhead_s * op_count(layers, strategy)
     memory_rate = (profile.single_device_memory_bandwidth_bytes_per_s if strategy == "single" else 0.0) \
         or profile.memory_bandwidth_bytes_per_s
     if memory_rate:   # the optimizer update each device runs on its own weights (shards)
