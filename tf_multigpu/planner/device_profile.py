@@ -130,7 +130,7 @@ def load(name_or_path: str) -> DeviceProfile:
     return profile
 
 
-def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 16, global_batch: int = 0) -> DeviceProfile:
+def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_batch: int = 0) -> DeviceProfile:
     """A profile of `devices` (TensorFlow device names) from a few-second micro-benchmark.
 
     With a built Keras `model`, the convolution rate and the split convolution's overhead are
@@ -152,8 +152,11 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 16, global
                                                          _batch_cap(model, 1)))
     else:
         flops_all, flops_one = _conv_rate(devices, convs, batch), _conv_rate(devices[:1], convs, batch)
+    if not allreduce_mib:   # the size a data-parallel step all-reduces: on CPUs the bandwidth falls with it
+        weights = sum(math.prod(w.shape) for w in model.trainable_weights) * 4 if model is not None else 0
+        allreduce_mib = int(min(max(weights / 2**20, 16), ALLREDUCE_MIB_CAP))
     bandwidth, latency = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib)
-    overhead, replicated = _split_conv_overhead(devices[0], convs, batch)
+    overhead, replicated = _split_conv_overhead(devices, convs, batch)
     memory_all, memory_one = _update_bandwidth(devices), _update_bandwidth(devices[:1])
     return DeviceProfile(
         name="measured", peak_flops_per_s=flops_all, memory_bytes=_memory_per_device(devices),
@@ -172,7 +175,7 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 16, global
                 "tensorflow": tf.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
-def _concurrent_seconds(devices, make_inputs, body) -> float:
+def _concurrent_seconds(devices, make_inputs, body, repeats: int = 3) -> float:
     """Best time of `body(*inputs)` run on every device of `devices` at once, in one function."""
     import tensorflow as tf
 
@@ -189,7 +192,7 @@ def _concurrent_seconds(devices, make_inputs, body) -> float:
                 outs.append(body(*args))
         return outs
 
-    return _best_time(lambda: [o.numpy() for o in run()])
+    return _best_time(lambda: [o.numpy() for o in run()], repeats)
 
 
 def _model_convs(model) -> list[tuple]:
@@ -236,6 +239,9 @@ def _conv_rate(devices, convs, batch: int = 4) -> float:
     return _conv_flops(convs, batch) / _concurrent_seconds(devices, make, body)
 
 
+# Largest all-reduce timed for the bandwidth (AlexNet's 238 MiB of gradients would take seconds
+# on CPUs; the rate at 128 MiB is what such sizes get).
+ALLREDUCE_MIB_CAP = 128
 # Most FLOPs one timing of the model's step may run on all devices together: past it the rate
 # is taken as the largest batch's (a rate stops growing with the batch long before; AlexNet at
 # 224x224 is timed at 7 examples per device on 4 devices, not at the paper's 64).
@@ -366,41 +372,43 @@ def _allreduce_rates(devices, mib: int) -> tuple[float, float]:
     return bandwidth, small / hops
 
 
-def _split_conv_overhead(device: str, convs, batch: int = 4) -> tuple[float, float]:
+def _split_conv_overhead(devices, convs, batch: int = 4) -> tuple[float, float]:
     """(time of our filter-split convolution over tf.nn.conv2d's on `convs`, forward and
-    backward; the share of ours that does not shrink when its filters are split).
+    backward, on every device of `devices` at once; the share of ours that does not shrink
+    when its filters are split).
 
     A device of a `model` group builds the patches of its whole (gathered) input, for the
     forward and again for the weight gradient, whatever share of the filters it holds; only
     the contractions and the input gradient's patches of dy scale with its filters. So the
     split convolution is timed with all the filters and with a quarter of them, and its time
-    on a device holding 1/M of them is t_all x (replicated + (1 - replicated) / M).
+    on a device holding 1/M of them is t_all x (replicated + (1 - replicated) / M). All the
+    devices run at once, as a mesh's do: on shared cores the skinny contractions of a split
+    kernel and the stock convolution do not slow down alike.
     """
     import tensorflow as tf
 
     from tf_multigpu.parallel.split_conv import split_conv2d
 
-    with tf.device(device):
-        pairs = [(tf.random.normal([batch, *shape]), tf.random.normal(kernel) * 0.05) for shape, kernel, _, _ in convs]
+    def make():
+        return tuple((tf.random.normal([batch, *shape]), tf.random.normal(kernel) * 0.05)
+                     for shape, kernel, _, _ in convs)
 
-    def step(conv, filters=1.0):
-        @tf.function
-        def run():
-            out = []
-            with tf.device(device):
-                for (x, w), (_, _, stride, padding) in zip(pairs, convs):
-                    w = w[..., :max(1, round(w.shape[-1] * filters))]
-                    with tf.GradientTape() as tape:
-                        tape.watch([x, w])
-                        y = tf.reduce_sum(conv(x, w, stride, padding))
-                    out += [tf.reduce_sum(g) for g in tape.gradient(y, [x, w])]
-            return out
-        return lambda: [t.numpy() for t in run()]
+    def timing(conv, filters=1.0):
+        def body(*pairs):
+            total = tf.constant(0.0)
+            for (x, w), (_, _, stride, padding) in zip(pairs, convs):
+                w = w[..., :max(1, round(w.shape[-1] * filters))]
+                with tf.GradientTape() as tape:
+                    tape.watch([x, w])
+                    y = tf.reduce_sum(conv(x, w, stride, padding))
+                total += sum(tf.reduce_sum(g[:1]) for g in tape.gradient(y, [x, w]))
+            return total
+        return lambda: _concurrent_seconds(devices, make, body, repeats=2)
 
     # Interleaved rounds, and the median of each round's ratios: a difference of two timings
     # (the replicated share) is noisy on shared cores, and so is one round.
-    runs = [step(split_conv2d), step(split_conv2d, 0.25), step(tf.nn.conv2d)]
-    rounds = [[_best_time(run, repeats=2) for run in runs] for _ in range(5)]
+    runs = [timing(split_conv2d), timing(split_conv2d, 0.25), timing(tf.nn.conv2d)]
+    rounds = [[run() for run in runs] for _ in range(3)]
     overhead = statistics.median(ours / stock for ours, _, stock in rounds)
     # t(f) = a + b f over the share f of the filters: t(1) = ours, t(1/4) = quarter.
     replicated = statistics.median(min(max(1 - max(ours - quarter, 0.0) * 4 / 3 / ours, 0.0), 1.0)
