@@ -179,7 +179,8 @@ def build_model_and_optimizer(cfg: Config, par, source, total_steps: int, **mode
     with par.scope():
         optimizer = MomentumSGD(
             learning_rate_schedule(cfg.learning_rate, cfg.lr_schedule, total_steps, cfg.warmup_steps),
-            momentum=cfg.momentum, l2=cfg.weight_decay, relayout_like=par.relayout_like)
+            momentum=cfg.momentum, l2=cfg.weight_decay, relayout_like=par.relayout_like,
+            split_dims=par.split_dims)
         if cfg.dtype == "float16":   # float16 gradients underflow without loss scaling
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         # Build the slots now, inside the scope, so they are mirrored like their variables.
