@@ -49,6 +49,8 @@ class Parallelism(Protocol):
 
     def relayout_like(self, value, variable): ...   # value in variable's layout (optimizer slots)
 
+    def split_dims(self, variable) -> tuple: ...   # dims of variable split over devices
+
     def any_worker(self, flag: bool) -> bool: ...
 
 

@@ -125,6 +125,12 @@ class DTensorParallelism:
         layout = self._layouts[id(variable if isinstance(variable, tf.Variable) else variable.value)]
         return dtensor.relayout(value, layout)
 
+    def split_dims(self, variable) -> tuple:
+        """The dimensions of (Keras or DTensor) `variable` that its layout splits over a mesh axis:
+        the optimizer slices a tensor of that layout only along the others (no collective)."""
+        layout = self._layouts[id(variable if isinstance(variable, tf.Variable) else variable.value)]
+        return tuple(d for d, axis in enumerate(layout.sharding_specs) if axis != U)
+
     def scope(self) -> contextlib.AbstractContextManager:
         """Variables created here (model, optimizer) are DVariables with the policy's layouts."""
         return tf.variable_creator_scope(self._creator)

@@ -24,8 +24,12 @@ Counted from the placement plan, per device:
   update                  the optimizer's temporaries: the decayed gradient and the new
                           velocity, 2 x the slot shards (1 x the gradients, the scaled gradient,
                           without momentum; with sharded slots, also the new velocity gathered
-                          back, 1 x the gradients; one tf.function step: updates of late layers
-                          run while early layers' backward still holds activations);
+                          back, 1 x the gradients). An upper bound since the products wait
+                          for their gradient (training/optimizer.py): a variable's exist only
+                          briefly after its gradient. Kept at this size: the estimate then
+                          stays within 30% of the measured peak on CPUs, where the runtime's
+                          memory outside the allocator is not counted (BUILD_NOTES.md,
+                          "Memory, fourth pass");
   reduction_buffers       the gradient all-reduce's buffers: MirroredStrategy packs every
                           gradient into one buffer and receives the sum into another (2 x the
                           gradients); DTensor all-reduces each gradient of a layer shared by

@@ -176,6 +176,10 @@ class DistributeParallelism:
         """Slots are mirrored like their variables: nothing to move."""
         return value
 
+    def split_dims(self, variable) -> tuple:
+        """No variable is split: every device holds all of it."""
+        return ()
+
     def to_numpy(self, variable):
         """The value of a (mirrored) variable, as one array."""
         return variable.numpy()
