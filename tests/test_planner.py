@@ -184,7 +184,6 @@ def test_measure_profiles_the_logical_devices_in_seconds(devices):
     assert time.perf_counter() - start < 30
     assert p.flops_per_s > 1e8 and p.link_bandwidth_bytes_per_s > 1e7 and 0 < p.link_latency_s < 0.1
     assert p.split_conv_overhead > 0 and p.num_devices == 2
-    assert 0 <= p.split_conv_replicated <= 1
     # Issue 14: the memory-bound update and the per-op overhead, with all devices busy and alone.
     assert 0 < p.per_op_overhead_s < 0.01
     assert p.memory_bandwidth_bytes_per_s > 1e7 and p.single_device_memory_bandwidth_bytes_per_s > 1e7
@@ -211,6 +210,17 @@ def test_a_split_convolution_divides_only_its_filters_share_over_the_model_axis(
     assert compute[0.4][4] - compute[0.0][4] == pytest.approx(extra, rel=1e-9)
     # With the replicated share, doubling the devices divides the convolutions' time by less.
     assert compute[0.4][2] / compute[0.4][4] < compute[0.0][2] / compute[0.0][4]
+
+
+def test_measure_times_the_models_step_at_each_plans_examples_per_device(devices):
+    """With a model and the run's global batch, the rate is timed at every per-device batch a
+    plan on the devices runs (64 over 1 and 2 batch groups on 2 devices); the plan tool and
+    --strategy=auto pass both."""
+    model = build_model("small_convnet", (8, 8, 1), 10)
+    p = planner.measure(devices[:2], model, 32, global_batch=64)
+    assert sorted(p.batch_flops_per_s) == [32, 64] and min(p.batch_flops_per_s.values()) > 1e8
+    assert p.flops_per_s == p.batch_flops_per_s[32] and p.alone_flops_per_s > 1e8
+    assert 0 <= p.split_conv_replicated <= 1
 
 
 def test_a_measured_rate_per_batch_prices_each_plan_at_its_own_examples_per_device(alexnet_cost):

@@ -133,30 +133,34 @@ def load(name_or_path: str) -> DeviceProfile:
 def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_batch: int = 0) -> DeviceProfile:
     """A profile of `devices` (TensorFlow device names) from a few-second micro-benchmark.
 
-    With a built Keras `model`, the convolution rate and the split convolution's overhead are
-    timed on the model's own convolutions at `batch` examples per device (give the run's: a
-    CPU's rate depends on it): small feature maps run far below a large layer's rate, and the
-    im2col overhead grows as maps shrink (BUILD_NOTES). With the run's `global_batch` too, the
-    whole model's step is timed at every per-device batch a plan on these devices runs
-    (`plan_batches`), with all devices busy, and on one device alone at the global batch."""
+    With a built Keras `model`, the FLOP rates are timed on the model's whole forward and
+    backward step: with all devices busy at every per-device batch a plan on these devices
+    runs for the run's `global_batch` (`plan_batches`; default `batch` x the devices), and on
+    one device alone at the global batch. The split convolution's overhead is timed on the
+    model's own convolutions at `batch` examples per device (give the run's: small feature maps
+    run far below a large layer's rate, and the im2col overhead grows as maps shrink,
+    BUILD_NOTES); the all-reduce at the size of the model's gradients."""
     import tensorflow as tf
 
     convs = _model_convs(model) if model is not None else []
     convs = convs or [((16, 16, 64), (3, 3, 64, 64), 1, "SAME")]
-    by_batch = {}
+    by_batch, grad_bytes = {}, 0
     if model is not None:   # the whole model's step: its pooling, activations, loss and small layers too
-        sizes = plan_batches(len(devices), global_batch or batch * len(devices), _batch_cap(model, len(devices)))
+        from tf_multigpu.planner.cost_model import analyze
+        per_example = sum(layer.fwd_flops + layer.bwd_flops for layer in analyze(model).layers)
+        grad_bytes = sum(math.prod(w.shape) for w in model.trainable_weights) * 4
+        step = _ModelStep(devices, model, per_example)
+        global_batch = global_batch or batch * len(devices)
+        sizes = plan_batches(len(devices), global_batch, _batch_cap(per_example, len(devices)))
         for _ in range(2):   # interleaved rounds, the best of each: a busy spell on shared cores passes
             for b in sizes:
-                by_batch[b] = max(by_batch.get(b, 0.0), _model_rate(devices, model, b))
+                by_batch[b] = max(by_batch.get(b, 0.0), step.rate(devices, b))
         flops_all = by_batch[min(sizes)]
-        flops_one = _model_rate(devices[:1], model, min(global_batch or batch * len(devices),
-                                                         _batch_cap(model, 1)))
+        flops_one = step.rate(devices[:1], min(global_batch, _batch_cap(per_example, 1)))
     else:
         flops_all, flops_one = _conv_rate(devices, convs, batch), _conv_rate(devices[:1], convs, batch)
     if not allreduce_mib:   # the size a data-parallel step all-reduces: on CPUs the bandwidth falls with it
-        weights = sum(math.prod(w.shape) for w in model.trainable_weights) * 4 if model is not None else 0
-        allreduce_mib = int(min(max(weights / 2**20, 16), ALLREDUCE_MIB_CAP))
+        allreduce_mib = int(min(max(grad_bytes / 2**20, 16), ALLREDUCE_MIB_CAP))
     bandwidth, latency = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib)
     overhead, replicated = _split_conv_overhead(devices, convs, batch)
     memory_all, memory_one = _update_bandwidth(devices), _update_bandwidth(devices[:1])
@@ -257,50 +261,52 @@ def plan_batches(num_devices: int, global_batch: int, cap: int = 0) -> list[int]
     return sorted({min(b, cap) for b in sizes} if cap else sizes)
 
 
-def _batch_cap(model, num_devices: int) -> int:
+def _batch_cap(flops_per_example: float, num_devices: int) -> int:
     """The largest per-device batch whose timing stays within MODEL_TIMING_FLOPS."""
-    from tf_multigpu.planner.cost_model import analyze
-
-    per_example = sum(layer.fwd_flops + layer.bwd_flops for layer in analyze(model).layers)
-    return max(1, int(MODEL_TIMING_FLOPS // max(per_example * num_devices, 1.0)))
+    return max(1, int(MODEL_TIMING_FLOPS // max(flops_per_example * num_devices, 1.0)))
 
 
-def _model_rate(devices, model, batch: int) -> float:
-    """FLOP/s (the cost model's count: convolutions, dense layers, pooling) each device sustains
-    running the model's forward and backward pass, loss included, while all of `devices` run it
-    at `batch` examples each. The FLOP count leaves out activations, normalisation, dropout and
-    the loss; on small feature maps those and the per-op costs are a large share of a step,
-    so the rate is measured on the step they belong to. On GPUs each device gets its own copy of the
-    weights, as a replica has; logical CPU devices share the host's memory and read one copy."""
-    import keras
-    import tensorflow as tf
+class _ModelStep:
+    """The model's forward and backward pass, loss included, timed on devices at once.
 
-    from tf_multigpu.planner.cost_model import analyze
+    FLOP/s are the cost model's count (convolutions, dense layers, pooling), which leaves out
+    activations, normalisation, dropout and the loss; on small feature maps those and the
+    per-op costs are a large share of a step, so the rate is measured on the step they belong
+    to. On GPUs each device gets its own copy of the weights (made once), as a replica has;
+    logical CPU devices share the host's memory and read one copy."""
 
-    flops = sum(layer.fwd_flops + layer.bwd_flops for layer in analyze(model).layers) * batch
-    copies = {}
-    for d in devices:
-        if "GPU" in d.upper() and d != devices[0]:
-            with tf.device(d):
-                copies[d] = keras.models.clone_model(model)
-                copies[d].set_weights(model.get_weights())
-        else:
-            copies[d] = model
-    classes = int(model.output_shape[-1])
-    order = iter(devices)
+    def __init__(self, devices, model, flops_per_example: float):
+        import keras
+        import tensorflow as tf
 
-    def make():
-        return (tf.random.uniform([batch, *model.input_shape[1:]]),
-                tf.random.uniform([batch], maxval=classes, dtype=tf.int32), copies[next(order)])
+        self.model, self.flops_per_example = model, flops_per_example
+        self.copies = {}
+        for d in devices[1:]:
+            if "GPU" in d.upper():
+                with tf.device(d):
+                    self.copies[d] = keras.models.clone_model(model)
+                    self.copies[d].set_weights(model.get_weights())
 
-    def body(x, y, net):
-        with tf.GradientTape() as tape:
-            logits = tf.cast(net(x, training=True), tf.float32)
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-        grads = tape.gradient(loss, net.trainable_variables)
-        return loss + tf.add_n([tf.reduce_sum(g[:1]) for g in grads if g is not None])
+    def rate(self, devices, batch: int) -> float:
+        """FLOP/s each of `devices` sustains while all run the step at `batch` examples each."""
+        import tensorflow as tf
 
-    return flops / _concurrent_seconds(devices, make, body)
+        classes = int(self.model.output_shape[-1])
+        order = iter(devices)
+
+        def make():
+            return (tf.random.uniform([batch, *self.model.input_shape[1:]]),
+                    tf.random.uniform([batch], maxval=classes, dtype=tf.int32),
+                    self.copies.get(next(order), self.model))
+
+        def body(x, y, net):
+            with tf.GradientTape() as tape:
+                logits = tf.cast(net(x, training=True), tf.float32)
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+            grads = tape.gradient(loss, net.trainable_variables)
+            return loss + tf.add_n([tf.reduce_sum(g[:1]) for g in grads if g is not None])
+
+        return self.flops_per_example * batch / _concurrent_seconds(devices, make, body)
 
 
 def _update_bandwidth(devices, mib: int = 8) -> float:
