@@ -122,14 +122,16 @@ class DTensorParallelism:
         is replicated on `batch` is local slicing; the way back is an all-gather over `batch`."""
         if not self.plan.shard_slots:   # every slot has its variable's layout: nothing to move
             return value
-        layout = self._layouts[id(variable if isinstance(variable, tf.Variable) else variable.value)]
-        return dtensor.relayout(value, layout)
+        return dtensor.relayout(value, self._layout_of(variable))
 
     def split_dims(self, variable) -> tuple:
         """The dimensions of (Keras or DTensor) `variable` that its layout splits over a mesh axis:
         the optimizer slices a tensor of that layout only along the others (no collective)."""
-        layout = self._layouts[id(variable if isinstance(variable, tf.Variable) else variable.value)]
-        return tuple(d for d, axis in enumerate(layout.sharding_specs) if axis != U)
+        return tuple(d for d, axis in enumerate(self._layout_of(variable).sharding_specs) if axis != U)
+
+    def _layout_of(self, variable):
+        """The layout this parallelism gave (Keras or DTensor) `variable` when it was created."""
+        return self._layouts[id(variable if isinstance(variable, tf.Variable) else variable.value)]
 
     def scope(self) -> contextlib.AbstractContextManager:
         """Variables created here (model, optimizer) are DVariables with the policy's layouts."""
