@@ -183,6 +183,12 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
 
 def _concurrent_seconds(devices, make_inputs, body, repeats: int = 3) -> float:
     """Best time of `body(*inputs)` run on every device of `devices` at once, in one function."""
+    return _best_time(_concurrent(devices, make_inputs, body), repeats)
+
+
+def _concurrent(devices, make_inputs, body):
+    """A callable running `body(*inputs)` on every device of `devices` at once, in one traced
+    function, and waiting for the results: time it as often as needed, traced once."""
     import tensorflow as tf
 
     inputs = []
@@ -198,7 +204,7 @@ def _concurrent_seconds(devices, make_inputs, body, repeats: int = 3) -> float:
                 outs.append(body(*args))
         return outs
 
-    return _best_time(lambda: [o.numpy() for o in run()], repeats)
+    return lambda: [o.numpy() for o in run()]
 
 
 def _model_convs(model) -> list[tuple]:
@@ -280,6 +286,7 @@ class _ModelStep:
         import tensorflow as tf
 
         self.model, self.flops_per_example = model, flops_per_example
+        self.runs = {}   # (devices, batch) -> the traced step, timed in every round
         self.copies = {}
         for d in devices[1:]:
             if "GPU" in d.upper():
@@ -289,6 +296,12 @@ class _ModelStep:
 
     def rate(self, devices, batch: int) -> float:
         """FLOP/s each of `devices` sustains while all run the step at `batch` examples each."""
+        key = (tuple(devices), batch)
+        if key not in self.runs:
+            self.runs[key] = self._traced(devices, batch)
+        return self.flops_per_example * batch / _best_time(self.runs[key])
+
+    def _traced(self, devices, batch: int):
         import tensorflow as tf
 
         classes = int(self.model.output_shape[-1])
@@ -306,7 +319,7 @@ class _ModelStep:
             grads = tape.gradient(loss, net.trainable_variables)
             return loss + tf.add_n([tf.reduce_sum(g[:1]) for g in grads if g is not None])
 
-        return self.flops_per_example * batch / _concurrent_seconds(devices, make, body)
+        return _concurrent(devices, make, body)
 
 
 def _update_bandwidth(devices, mib: int = 8) -> float:
@@ -411,12 +424,12 @@ def _split_conv_overhead(devices, convs, batch: int = 4) -> tuple[float, float]:
                     y = tf.reduce_sum(conv(x, w, stride, padding))
                 total += sum(tf.reduce_sum(g[:1]) for g in tape.gradient(y, [x, w]))
             return total
-        return lambda: _concurrent_seconds(devices, make, body, repeats=2)
+        return _concurrent(devices, make, body)
 
     # Interleaved rounds, and the median of each round's ratios: a difference of two timings
     # (the replicated share) is noisy on shared cores, and so is one round.
     runs = [timing(split_conv2d), timing(split_conv2d, 0.25), timing(tf.nn.conv2d)]
-    rounds = [[run() for run in runs] for _ in range(3)]
+    rounds = [[_best_time(run, repeats=2) for run in runs] for _ in range(3)]
     overhead = statistics.median(ours / stock for ours, _, stock in rounds)
     # t(f) = a + b f over the share f of the filters: t(1) = ours, t(1/4) = quarter.
     replicated = statistics.median(min(max(1 - max(ours - quarter, 0.0) * 4 / 3 / ours, 0.0), 1.0)
