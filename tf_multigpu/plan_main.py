@@ -84,7 +84,8 @@ def _plan():
         from tf_multigpu.parallel import configure_devices
         devices = configure_devices(FLAGS.num_devices, FLAGS.cpu_devices)
         profile = planner.measure(devices, model, max(FLAGS.batch_size // len(devices), 1),
-                                  global_batch=FLAGS.batch_size)
+                                  global_batch=FLAGS.batch_size,
+                                  input_dataset=planner.input_batches(source, FLAGS.batch_size))
         num_devices = len(devices)
     else:
         num_devices = FLAGS.num_devices or profile.num_devices

@@ -77,7 +77,8 @@ def main(argv):
     devices = configure_devices(0, FLAGS.cpu_devices)
     source = load_source(FLAGS.dataset, None, FLAGS.image_size)
     model = build_model(FLAGS.model, source.image_shape, source.num_classes)
-    profile = planner.measure(devices, model, max(FLAGS.batch_size // len(devices), 1), global_batch=FLAGS.batch_size)
+    profile = planner.measure(devices, model, max(FLAGS.batch_size // len(devices), 1), global_batch=FLAGS.batch_size,
+                              input_dataset=planner.input_batches(source, FLAGS.batch_size))
     cost = planner.analyze(model)
     table = planner.plan_table(cost, profile, len(devices), FLAGS.batch_size)
     plans = [p for p in table.plans if p.fits]
@@ -108,7 +109,8 @@ def main(argv):
           f"per device with all busy, {p.single_device_memory_bandwidth_bytes_per_s / 1e9:.2f} alone; "
           f"{p.per_op_overhead_s * 1e6:.1f} us per op; all-reduce {p.link_bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
           f"{p.link_latency_s * 1e6:.0f} us per hop; split conv {p.split_conv_overhead:.2f}x tf.nn.conv2d, "
-          f"{p.split_conv_replicated:.2f} of it not divided by the filters' split. "
+          f"{p.split_conv_replicated:.2f} of it not divided by the filters' split; input pipeline "
+          f"{p.input_images_per_s:.0f} images/s alone. "
           f"Load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} (2 cores).")
 
 

@@ -15,7 +15,7 @@ import dataclasses
 from tf_multigpu.config import Config
 from tf_multigpu.models import build_model
 from tf_multigpu.planner.cost_model import analyze
-from tf_multigpu.planner.device_profile import load, measure
+from tf_multigpu.planner.device_profile import input_batches, load, measure
 from tf_multigpu.planner.predict import plan_table
 
 
@@ -41,7 +41,8 @@ def resolve_strategy(cfg: Config, devices, source, profile=None) -> tuple[Config
     model = build_model(cfg.model, source.image_shape, source.num_classes)
     cost = analyze(model)
     if profile is None:
-        profile = (measure(devices, model, max(cfg.batch_size // len(devices), 1), global_batch=cfg.batch_size)
+        profile = (measure(devices, model, max(cfg.batch_size // len(devices), 1), global_batch=cfg.batch_size,
+                           input_dataset=input_batches(source, cfg.batch_size, cfg.seed))
                    if cfg.profile == "measure"
                    else load(cfg.profile))
     table = plan_table(cost, profile, len(devices), cfg.batch_size)

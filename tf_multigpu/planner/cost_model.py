@@ -51,6 +51,8 @@ class LayerCost:
     trainable: tuple = ()      # paths of the trainable weights
     split_fwd_flops: float = 0.0   # the einsum formulation's FLOPs (conv only)
     patch_elems: int = 0           # im2col patch values per example (conv only)
+    out_rows: int = 0              # output rows (conv only): the split convolution's chunks are rows
+    in_rows: int = 0               # rows of the stride-1 input it convolves (after space-to-depth)
     cls: type = keras.layers.Layer  # the Keras layer class
 
     @property
@@ -96,7 +98,7 @@ def analyze(model: keras.Model) -> ModelCost:
             continue
         in_elems, out_elems, out_shape = node.in_elems, node.out_elems, node.out_shape
         in_shape = node.in_shapes[0] if node.in_shapes else ()
-        kind, fwd, split_fwd, patches = "other", 0.0, 0.0, 0
+        kind, fwd, split_fwd, patches, rows = "other", 0.0, 0.0, 0, (0, 0)
         if issubclass(node.cls, (keras.layers.Conv2D, keras.layers.DepthwiseConv2D)):
             kind = "conv"
             kh, kw = node.config["kernel_size"]
@@ -107,6 +109,7 @@ def analyze(model: keras.Model) -> ModelCost:
             s = node.config["strides"][0]
             taps = (math.ceil(kh / s) * s) * (math.ceil(kw / s) * s)   # space-to-depth pads the kernel
             patches = oh * ow * taps * cin
+            rows = (oh, in_shape[0] if s == 1 else oh - 1 + math.ceil(kh / s))
             split_fwd = 2.0 * patches * cout
         elif issubclass(node.cls, keras.layers.SeparableConv2D):
             kind = "conv"
@@ -125,7 +128,8 @@ def analyze(model: keras.Model) -> ModelCost:
             fwd = float(in_elems)
         bwd = (2.0 * fwd if needs_dx else fwd) if kind in ("conv", "dense") else fwd
         layers.append(LayerCost(node.name, kind, in_elems, out_elems, fwd, bwd, dict(node.weights),
-                                node.trainable, split_fwd, patches, node.cls))
+                                node.trainable, split_fwd, patches, out_rows=rows[0], in_rows=rows[1],
+                                cls=node.cls))
     return ModelCost(model.name, tuple(model.input_shape[1:]), int(model.output_shape[-1]), tuple(layers), nodes)
 
 
@@ -144,6 +148,7 @@ class LayerPlacement:
     activation_bytes: int      # per example kept for the backward, this device's share
     collectives: tuple = ()
     rows_split: bool = False   # runs on rows split over `model` (conv_data_fc_model, before the gather)
+    input_grad: bool = True    # computes its input's gradient (a first layer does not)
 
 
 def plan_for(cost: ModelCost, layout: str | None, mesh_shape: dict):
@@ -177,7 +182,7 @@ def placement(cost: ModelCost, layout: str | None, mesh_shape: dict) -> list[Lay
             layer.name, placed.impl, placed.out_layout == CHANNELS, fwd, bwd, conv_flops,
             sum(plan.local_elems(p, s) for p, s in layer.weights.items()) * BYTES_PER_VALUE,
             sum(plan.local_elems(p, layer.weights[p]) for p in layer.trainable) * BYTES_PER_VALUE,
-            memory.saved_elems(plan, placed) * BYTES_PER_VALUE, collectives, placed.rows))
+            memory.saved_elems(plan, placed) * BYTES_PER_VALUE, collectives, placed.rows, placed.needs_input_grad))
     return out
 
 

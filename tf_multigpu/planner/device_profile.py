@@ -15,6 +15,9 @@ on the devices a run will use:
 - memory-bound work: a momentum update of 8 MiB on all devices at once and on one alone
   (every replica updates its own copy of its weights; on shared cores they share the memory
   bandwidth), and the per-operation overhead of a chain of scalar ops on all devices at once.
+- the input pipeline: the run's own training batches read alone (images/s). On logical CPU
+  devices the pipeline runs on the cores the devices compute on, so its time adds to every
+  step (`input_shares_cores`); a GPU's step overlaps it and waits only if it is slower.
 - links: a ring all-reduce among all devices (MirroredStrategy, the same collective data
   parallelism uses) of a large tensor (bandwidth) and of one value (latency); the bandwidth is
   the per-device "bus" bandwidth, bytes = 2(N-1)/N x size over time, so that the cost model's
@@ -69,6 +72,9 @@ class DeviceProfile:
     single_device_memory_bandwidth_bytes_per_s: float = 0.0   # one device alone (0: as above)
     batch_flops_per_s: dict = dataclasses.field(default_factory=dict)   # examples per device -> FLOP/s
                                          # per device, all busy (measured profiles; {}: peak x efficiency)
+    input_images_per_s: float = 0.0      # the run's input pipeline alone (0: not modelled)
+    input_shares_cores: bool = False     # the pipeline computes on the devices' cores (logical CPUs):
+                                         # its time adds to the step instead of overlapping it
     description: str = ""
     source: dict = dataclasses.field(default_factory=dict)
 
@@ -130,7 +136,8 @@ def load(name_or_path: str) -> DeviceProfile:
     return profile
 
 
-def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_batch: int = 0) -> DeviceProfile:
+def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_batch: int = 0,
+            input_dataset=None) -> DeviceProfile:
     """A profile of `devices` (TensorFlow device names) from a few-second micro-benchmark.
 
     With a built Keras `model`, the FLOP rates are timed on the model's whole forward and
@@ -139,7 +146,8 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
     one device alone at the global batch. The split convolution's overhead is timed on the
     model's own convolutions at `batch` examples per device (give the run's: small feature maps
     run far below a large layer's rate, and the im2col overhead grows as maps shrink,
-    BUILD_NOTES); the all-reduce at the size of the model's gradients."""
+    BUILD_NOTES); the all-reduce at the size of the model's gradients. `input_dataset`, the
+    run's training batches (`input_batches`), is timed alone for the input pipeline's rate."""
     import tensorflow as tf
 
     convs = _model_convs(model) if model is not None else []
@@ -164,6 +172,10 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
     bandwidth, latency = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib)
     overhead, replicated = _split_conv_overhead(devices, convs, batch)
     memory_all, memory_one = _update_bandwidth(devices), _update_bandwidth(devices[:1])
+    input_rate = 0.0
+    if input_dataset is not None:
+        from tf_multigpu.data.throughput import images_per_sec
+        input_rate = images_per_sec(input_dataset, seconds=2.0)
     return DeviceProfile(
         name="measured", peak_flops_per_s=flops_all, memory_bytes=_memory_per_device(devices),
         link_bandwidth_bytes_per_s=bandwidth, link_latency_s=latency, compute_efficiency=1.0,
@@ -171,14 +183,23 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
         split_conv_replicated=replicated,
         per_op_overhead_s=_op_overhead(devices), memory_bandwidth_bytes_per_s=memory_all,
         single_device_memory_bandwidth_bytes_per_s=memory_one, batch_flops_per_s=by_batch,
+        input_images_per_s=input_rate, input_shares_cores="GPU" not in devices[0].upper(),
         description=f"measured on {len(devices)} x {devices[0]}",
         source={"method": f"{'the model' if model is not None else 'a 3x3 64->64 16x16 convolution'}'s "
                           "step, forward and backward, on all devices at once per batch and on one alone (the FLOP "
                           "rates); the model's convolutions as split convolutions (all filters and a quarter) "
                           "against tf.nn.conv2d; momentum updates of 8 MiB (memory bandwidth, "
                           f"all at once and alone); chains of tiny ops (per-op overhead); MirroredStrategy ring "
-                          f"all-reduce of {allreduce_mib} MiB and of 1 value",
+                          f"all-reduce of {allreduce_mib} MiB and of 1 value"
+                          + ("; the run's training batches read alone (input pipeline)" if input_rate else ""),
                 "tensorflow": tf.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def input_batches(source, global_batch: int, seed: int = 0):
+    """The training batches a run of `source` at `global_batch` reads (data/pipeline.py), for
+    `measure(input_dataset=...)`: the input pipeline's cost is the run's own."""
+    from tf_multigpu.data.pipeline import train_dataset
+    return train_dataset(source, seed=seed, global_batch=global_batch, batch_size=global_batch)
 
 
 def _concurrent_seconds(devices, make_inputs, body, repeats: int = 3) -> float:

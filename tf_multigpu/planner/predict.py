@@ -33,7 +33,18 @@ DeviceProfile:
                 of the profile's topology; a link carrying k transfers takes k times as long.
                 On the default topology (`ring`: every device its own link) a ring all-reduce
                 costs 2(n-1)/n x bytes / bandwidth + 2(n-1) x latency, an all-gather half.
-  step time   = compute + activations + (1 - grad_overlap) x gradients.
+  input       = global batch / the input pipeline's images/s (measured profiles, the run's own
+                batches read alone). On logical CPU devices the pipeline computes on the
+                devices' cores, so it adds to the step; elsewhere it overlaps the step, which
+                waits only for what is left. The same for every plan (one pipeline per run).
+  syncs       = the tiny all-reduces DTensor's step runs besides those: the 3 scalars a step
+                returns (loss sum, correct, count) over the batch axis, and a split
+                convolution's ordering scalars (split_conv.py: each chunk waits for the
+                previous one through a sum of it; the weight gradient waits for dy) plus one
+                input-gradient all-reduce per chunk beyond the first; priced as a collective
+                of 4 bytes on its group: latency only.
+  step time   = compute + activations + (1 - grad_overlap) x gradients (+ input, or at least
+                input).
   memory      = `parallel/memory.py`'s estimate, the one the run's summary reports:
                 parameters + gradients + momentum slot (this device's shards) + what each
                 layer's implementation keeps for the backward + the input batch + the largest
@@ -51,6 +62,7 @@ import dataclasses
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES
 from tf_multigpu.parallel.mesh_spec import mesh_flag
+from tf_multigpu.parallel.split_conv import CHUNK_BYTES, _row_chunks
 from tf_multigpu.planner import comm
 from tf_multigpu.planner.cost_model import BYTES_PER_VALUE, ModelCost, memory_per_device, placement
 from tf_multigpu.planner.device_profile import (
@@ -62,6 +74,8 @@ from tf_multigpu.planner.device_profile import (
 # the label's logit (`logits/BiasAdd/DTensorAllReduceOp` x2, `SoftmaxCrossEntropyWithLogits/
 # DTensorAllReduceOp` in the comm report), on top of gathering the logits for the accuracy.
 SOFTMAX_EXCHANGE_VALUES = 3
+# What a training step returns, summed over the batch axis: one scalar all-reduce each under DTensor.
+STEP_SCALARS = ("loss_sum", "correct", "count")   # training/step.SCALARS (not imported: it starts Keras)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +101,7 @@ class Plan:
     compute_s: float = 0.0
     activation_comm_s: float = 0.0
     grad_comm_s: float = 0.0
+    input_s: float = 0.0        # the input pipeline's time per global batch (0: not modelled)
     step_time_s: float = 0.0
     activation_comm_bytes: float = 0.0
     grad_comm_bytes: float = 0.0
@@ -172,6 +187,28 @@ def _layer_flops(p, layer, profile: DeviceProfile, overhead: float, m: int) -> f
     return overhead * p.split_conv_flops * (r * m + (1 - r))
 
 
+def sync_collectives(p, layer, global_batch: int) -> dict:
+    """{"all" | "batch" | "model": count} of the tiny all-reduces one split convolution adds
+    (split_conv.py), by the mesh axes they span: per chunk of output rows after the first, a
+    wait on the previous chunk's output (sharded over both axes) and on its patches (over
+    `batch`); the weight gradient's wait for dy (both axes); per chunk of input rows after the
+    first, an input-gradient all-reduce (over `model`) and a wait on it (over `batch`).
+    Chunks hold CHUNK_BYTES of patches of the global batch (the dy patches of the input
+    gradient are taken as the forward's x out/in channels, exact for stride 1)."""
+    if not p.split_conv_flops or not layer.out_rows:
+        return {}
+    row_bytes = global_batch * layer.patch_elems * BYTES_PER_VALUE / layer.out_rows
+    y_chunks = len(_row_chunks(layer.out_rows, int(row_bytes), CHUNK_BYTES))
+    out = {"all": y_chunks, "batch": y_chunks - 1, "model": 0}   # y chunks - 1 waits + dy's; patch waits
+    if p.input_grad:
+        dy_patches = layer.patch_elems * layer.out_elems / max(layer.in_elems, 1)
+        x_chunks = len(_row_chunks(layer.in_rows, int(global_batch * dy_patches * BYTES_PER_VALUE / layer.in_rows),
+                                   CHUNK_BYTES))
+        out["model"] += x_chunks - 1
+        out["batch"] += x_chunks - 1
+    return out
+
+
 def op_count(layers, strategy: str) -> int:
     """Operations one device launches per step, for the profile's per-operation overhead:
     forward, input gradient, weight gradient and update per weighted layer, forward and
@@ -222,6 +259,13 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
                 nbytes = SOFTMAX_EXCHANGE_VALUES * group_batch * BYTES_PER_VALUE   # across the shards
                 act_s += comm.seconds(profile, "ring", "all_reduce", _groups(b, m, "model"), nbytes)
                 act_bytes += comm.moved_bytes("ring", "all_reduce", m, nbytes)
+    if strategy in ("model", "hybrid"):   # DTensor: the step's scalars and the split convolutions' waits
+        syncs = {"batch": len(STEP_SCALARS)}   # sums over the batch axis (the loss is replicated on `model`)
+        for p in [] if profile.native_split_conv else layers:   # a native split conv orders nothing
+            for axis, count in sync_collectives(p, by_name[p.name], global_batch).items():
+                syncs[axis] = syncs.get(axis, 0) + count
+        act_s += sum(count * comm.seconds(profile, "ring", "all_reduce", _groups(b, m, axis), BYTES_PER_VALUE)
+                     for axis, count in syncs.items())
     grads = sum(p.grad_bytes for p in layers)
     algorithm = gradient_algorithm(profile, strategy, assumptions.all_reduce)
     axes = ["all" if p.rows_split else "batch" for p in layers]   # devices summing each layer's gradients
@@ -232,13 +276,16 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
                      for axis, p in zip(axes, layers))
     grad_bytes = sum(comm.moved_bytes(algorithm, "all_reduce", b * (m if axis == "all" else 1), p.grad_bytes)
                      for axis, p in zip(axes, layers))
-    step = compute + act_s + (1 - assumptions.grad_overlap) * grad_s
+    exposed = act_s + (1 - assumptions.grad_overlap) * grad_s
+    input_s = global_batch / profile.input_images_per_s if profile.input_images_per_s else 0.0
+    step = compute + exposed + input_s if profile.input_shares_cores else max(compute + exposed, input_s)
     memory = memory_per_device(cost, layout or None, {"batch": b, "model": m}, global_batch)
     fits = memory["total"] <= assumptions.memory_fraction * profile.memory_bytes
-    exposed = act_s + (1 - assumptions.grad_overlap) * grad_s
-    binding = "memory" if not fits else ("compute" if compute >= exposed else "communication")
+    binding = ("memory" if not fits else "input" if input_s > max(compute, exposed)
+               else "compute" if compute >= exposed else "communication")
     return dataclasses.replace(plan, compute_s=compute, activation_comm_s=act_s, grad_comm_s=grad_s,
-                               step_time_s=step, activation_comm_bytes=act_bytes, grad_comm_bytes=grad_bytes,
+                               input_s=input_s, step_time_s=step, activation_comm_bytes=act_bytes,
+                               grad_comm_bytes=grad_bytes,
                                memory=memory, fits=fits, binding=binding, algorithm=algorithm)
 
 
@@ -308,7 +355,8 @@ def explain(table: PlanTable) -> str:
                 f"{_ms(p.activation_comm_s)} ({_mib(p.activation_comm_bytes)} MiB per device) + gradient all-reduce "
                 f"{_ms((1 - table.assumptions.grad_overlap) * p.grad_comm_s)} "
                 f"({_mib(p.grad_comm_bytes)} MiB per device)"
-                f"; {_mib(p.memory['total'])} MiB per device{'' if p.fits else ' (does not fit)'}")
+                + (f" + input pipeline {_ms(p.input_s)}" if p.input_s else "")
+                + f"; {_mib(p.memory['total'])} MiB per device{'' if p.fits else ' (does not fit)'}")
 
     text = f"Recommended {best.label} ({best.flags()}), {best.binding}-bound. {parts(best)}."
     if rival:
@@ -348,7 +396,10 @@ def to_markdown(table: PlanTable) -> str:
          + (f" (root complex {p.host_bandwidth_bytes_per_s / 1e9:.3g} GB/s, shared)"
             if p.host_bandwidth_bytes_per_s else "")
          + f" and {p.link_latency_s * 1e6:.3g} us per transfer phase"
-         + (f", {p.per_op_overhead_s * 1e6:.3g} us per operation" if p.per_op_overhead_s else "") + ". "
+         + (f", {p.per_op_overhead_s * 1e6:.3g} us per operation" if p.per_op_overhead_s else "")
+         + (f", input pipeline {p.input_images_per_s:.0f} images/s"
+            + (" on the devices' cores (adds to the step)" if p.input_shares_cores else " (overlaps the step)")
+            if p.input_images_per_s else "") + ". "
          + p.description),
         "",
         (f"Assumptions: step = compute + activation exchange (on the critical path) + "
