@@ -185,7 +185,8 @@ def test_measure_profiles_the_logical_devices_in_seconds(devices):
     start = time.perf_counter()
     p = planner.measure(devices[:2])
     assert time.perf_counter() - start < 30
-    assert p.flops_per_s > 1e8 and p.link_bandwidth_bytes_per_s > 1e7 and 0 < p.link_latency_s < 0.1
+    assert p.flops_per_s > 1e8 and p.link_bandwidth_bytes_per_s > 1e7 and p.link_latency_s == 0
+    assert 0 < p.collective_overhead_s < 0.1   # a collective in a step: the devices' synchronisation
     assert p.split_conv_overhead > 0 and p.num_devices == 2
     # Issue 14: the memory-bound update and the per-op overhead, with all devices busy and alone.
     assert 0 < p.per_op_overhead_s < 0.01

@@ -123,8 +123,9 @@ def _route(topology: str, per_switch: int, src: int, dst: int) -> tuple:
 def seconds(profile, algorithm: str, op: str, groups, nbytes: float) -> float:
     """Time of one collective run at once by every group of `groups` (lists of device ids),
     each on its own `nbytes` tensor: per phase, the busiest link's bytes / its bandwidth,
-    plus the profile's latency per phase."""
-    total = 0.0
+    plus the profile's latency per phase, plus its fixed cost per collective (measured
+    profiles: what synchronising devices that share cores costs, whatever the group's size)."""
+    total = profile.collective_overhead_s if any(len(g) > 1 for g in groups) else 0.0
     per_group = [schedule(algorithm, op, g, nbytes, profile.topology) for g in groups]
     for phase in itertools.zip_longest(*per_group, fillvalue=[]):
         load, bandwidth = {}, {}

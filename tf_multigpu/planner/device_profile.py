@@ -19,9 +19,14 @@ on the devices a run will use:
   devices the pipeline runs on the cores the devices compute on, so its time adds to every
   step (`input_shares_cores`); a GPU's step overlaps it and waits only if it is slower.
 - links: a ring all-reduce among all devices (MirroredStrategy, the same collective data
-  parallelism uses) of a large tensor (bandwidth) and of one value (latency); the bandwidth is
-  the per-device "bus" bandwidth, bytes = 2(N-1)/N x size over time, so that the cost model's
+  parallelism uses) of a large tensor (bandwidth) and of one value; the bandwidth is the
+  per-device "bus" bandwidth, bytes = 2(N-1)/N x size over time, so that the cost model's
   ring formulas give back the measured time.
+- a collective inside a step: a chain of small matmuls with a one-value all-reduce after each,
+  against the same chain without them, on all devices (`collective_overhead_s`). On logical
+  CPUs that is what a collective costs: the devices share the cores, and each collective makes
+  them all wait for the last one (a 2-device all-reduce costs about what a 4-device one does),
+  so the per-hop latency is left at 0 and every collective, of any group, costs this much.
 
 Spec-sheet profiles give the peak rate and an assumed `compute_efficiency` (the fraction of
 peak a ConvNet step sustains, stated in the file); measured profiles have efficiency 1.
@@ -68,6 +73,7 @@ class DeviceProfile:
     activation_gather: str = "ring"      # how an all-gather of activations runs (padded_all_reduce: DTensor on CPU)
     input_grad_reduce: str = "all_reduce"   # backward of a gathered input: all_reduce (DTensor) or reduce_scatter
     per_op_overhead_s: float = 0.0       # fixed cost of launching one operation (measured profiles)
+    collective_overhead_s: float = 0.0   # fixed cost of one collective in a step, any group size (measured)
     memory_bandwidth_bytes_per_s: float = 0.0   # per device, all busy, for the optimizer update (0: not modelled)
     single_device_memory_bandwidth_bytes_per_s: float = 0.0   # one device alone (0: as above)
     batch_flops_per_s: dict = dataclasses.field(default_factory=dict)   # examples per device -> FLOP/s
@@ -169,7 +175,8 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
         flops_all, flops_one = _conv_rate(devices, convs, batch), _conv_rate(devices[:1], convs, batch)
     if not allreduce_mib:   # the size a data-parallel step all-reduces: on CPUs the bandwidth falls with it
         allreduce_mib = int(min(max(grad_bytes / 2**20, 16), ALLREDUCE_MIB_CAP))
-    bandwidth, latency = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib)
+    bandwidth, _ = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib)
+    collective = 0.0 if len(devices) < 2 else _collective_overhead(devices)
     overhead, replicated = _split_conv_overhead(devices, convs, batch)
     memory_all, memory_one = _update_bandwidth(devices), _update_bandwidth(devices[:1])
     input_rate = 0.0
@@ -178,7 +185,8 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
         input_rate = images_per_sec(input_dataset, seconds=2.0)
     return DeviceProfile(
         name="measured", peak_flops_per_s=flops_all, memory_bytes=_memory_per_device(devices),
-        link_bandwidth_bytes_per_s=bandwidth, link_latency_s=latency, compute_efficiency=1.0,
+        link_bandwidth_bytes_per_s=bandwidth, link_latency_s=0.0, collective_overhead_s=collective,
+        compute_efficiency=1.0,
         single_device_flops_per_s=flops_one, num_devices=len(devices), split_conv_overhead=overhead,
         split_conv_replicated=replicated,
         per_op_overhead_s=_op_overhead(devices), memory_bandwidth_bytes_per_s=memory_all,
@@ -190,7 +198,8 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
                           "rates); the model's convolutions as split convolutions (all filters and a quarter) "
                           "against tf.nn.conv2d; momentum updates of 8 MiB (memory bandwidth, "
                           f"all at once and alone); chains of tiny ops (per-op overhead); MirroredStrategy ring "
-                          f"all-reduce of {allreduce_mib} MiB and of 1 value"
+                          f"all-reduce of {allreduce_mib} MiB (bandwidth); a chain of matmuls with and without a "
+                          "one-value all-reduce after each (the cost of a collective in a step)"
                           + ("; the run's training batches read alone (input pipeline)" if input_rate else ""),
                 "tensorflow": tf.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
@@ -412,6 +421,37 @@ def _allreduce_rates(devices, mib: int) -> tuple[float, float]:
     hops = 2 * (n - 1)
     bandwidth = hops / n * mib * 2**20 / max(large - small, 1e-9)
     return bandwidth, small / hops
+
+
+def _collective_overhead(devices, chain: int = 20, size: int = 128) -> float:
+    """Seconds one all-reduce of one value adds to a step on `devices`: a chain of `chain`
+    matmuls of size x size on every replica, with an all-reduce after each, against the same
+    chain without them (the median of 3 interleaved rounds: a difference of two timings)."""
+    import tensorflow as tf
+
+    from tf_multigpu.compat import new_mirrored_collective_keys
+
+    new_mirrored_collective_keys()
+    strategy = tf.distribute.MirroredStrategy(devices=list(devices))
+    with strategy.scope():
+        var = tf.Variable(tf.random.normal([size, size]) * 0.01)
+
+    def timed(with_collectives: bool):
+        @tf.function
+        def run():
+            def replica():
+                ctx, x = tf.distribute.get_replica_context(), var.read_value()
+                for _ in range(chain):
+                    x = tf.matmul(x, var) + 0.5
+                    if with_collectives:
+                        x = x + ctx.all_reduce("sum", x[:1, :1])
+                return x[:1, :1]
+            return strategy.run(replica)
+        return lambda: [t.numpy() for t in strategy.experimental_local_results(run())]
+
+    runs = [timed(True), timed(False)]
+    rounds = [[_best_time(run) for run in runs] for _ in range(3)]
+    return max(statistics.median(with_ - without for with_, without in rounds), 0.0) / chain
 
 
 def _split_conv_overhead(devices, convs, batch: int = 4) -> tuple[float, float]:

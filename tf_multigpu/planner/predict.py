@@ -396,6 +396,7 @@ def to_markdown(table: PlanTable) -> str:
          + (f" (root complex {p.host_bandwidth_bytes_per_s / 1e9:.3g} GB/s, shared)"
             if p.host_bandwidth_bytes_per_s else "")
          + f" and {p.link_latency_s * 1e6:.3g} us per transfer phase"
+         + (f", {p.collective_overhead_s * 1e3:.3g} ms per collective" if p.collective_overhead_s else "")
          + (f", {p.per_op_overhead_s * 1e6:.3g} us per operation" if p.per_op_overhead_s else "")
          + (f", input pipeline {p.input_images_per_s:.0f} images/s"
             + (" on the devices' cores (adds to the step)" if p.input_shares_cores else " (overlaps the step)")
