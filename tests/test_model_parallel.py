@@ -203,15 +203,16 @@ def test_model_parallel_export_predicts_what_the_mesh_model_measured(tmp_path):
 
 @pytest.mark.slow
 def test_mobilenet_v2_export_from_hybrid_equals_the_one_device_export(tmp_path):
-    """keras.applications' MobileNetV2 (BatchNorm, depthwise convolutions, residual adds; at
-    width 0.35, placed like the full width: test_placement.py) trained 2 steps on a 2x2 mesh:
+    """keras.applications' MobileNetV2 (BatchNorm, depthwise convolutions, zero padding, residual
+    adds; cut after its first blocks, placed layer for layer as the whole model and with every
+    kind of its placements: test_placement.py) trained 2 steps on a 2x2 mesh:
     the run's export and the export of the same checkpoint made afterwards on one device
     serve the same probabilities. (A fresh process that knows only TensorFlow serves exports
     in test_export.py; here this process loads both.)"""
     run_dir = str(tmp_path / "mobilenet")
     done = run_cli(f"--run_dir={run_dir}", "--strategy=hybrid", "--cpu_devices=4", "--dataset=synthetic",
-                   "--image_size=32", "--model=tests.user_models:mobilenet_v2_035", "--batch_size=8", "--steps=2",
-                   "--learning_rate=0.01", "--log_every=2", timeout=900)
+                   "--image_size=32", "--model=tests.user_models:mobilenet_v2_first_blocks", "--batch_size=8",
+                   "--steps=2", "--learning_rate=0.01", "--log_every=2", timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     again = subprocess.run([sys.executable, "-m", "tf_multigpu.export_main", f"--run_dir={run_dir}",
                             f"--export_dir={tmp_path / 'one_device'}", "--noevaluate"], cwd=REPO,

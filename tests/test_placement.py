@@ -96,17 +96,33 @@ def test_sharded_optimizer_state_halves_the_momentum_of_a_hybrid_pair_of_groups(
     assert one_group.slot_spec("conv2_block1_1_conv/kernel", (1, 1, 64, 64)) == ("-", "-", "-", "model")
 
 
-@pytest.mark.parametrize("layout", ["filter_split", "fc_only"])
-def test_the_narrow_mobilenet_v2_of_the_slow_tests_is_placed_like_the_full_one(mobilenet_v2, layout):
-    """test_parity.py and test_model_parallel.py run MobileNetV2 at width 0.35 to save time:
-    its plan on their 2x2 mesh has the same layers, implementations, layouts and collectives
-    as the full width's, so the checks there hold for the full model's placement too."""
-    def decisions(model):
-        plan = make_plan(model, layout, [], {"batch": 2, "model": 2})
-        return [(p.node.cls, p.impl, p.in_layouts, p.out_layout, p.gathers, p.kernel_split,
-                 [(c.op, c.axis, c.phase) for c in p.collectives]) for p in plan.layers], plan.output_layout
-    narrow = decisions(user_models.mobilenet_v2_035((32, 32, 3), 10))
-    assert narrow == decisions(mobilenet_v2) and len(narrow[0]) == 156
+def _decisions(model, layout, mesh):
+    """What the plan decides for each layer but the input, by name (the pooling before
+    `predictions` as "pool": Keras numbers the names it makes up), and the output's layout."""
+    plan = make_plan(model, layout, [], mesh)
+    pool = plan["predictions"].node.inputs[0]
+    return {"pool" if p.name == pool else p.name:
+            (p.node.cls, p.impl, p.in_layouts, p.out_layout, p.gathers, p.kernel_split,
+             tuple((c.op, c.axis, c.phase) for c in p.collectives)) for p in plan.layers[1:]}, plan.output_layout
+
+
+@pytest.mark.parametrize("cut, whole", [("resnet50_first_blocks", "resnet50"),
+                                        ("mobilenet_v2_first_blocks", "mobilenet_v2")])
+@pytest.mark.parametrize("num_classes", [10, 1000])
+def test_the_first_blocks_of_the_slow_tests_are_placed_like_the_whole_model(cut, whole, num_classes):
+    """test_parity.py, test_profiling.py and test_model_parallel.py run ResNet-50 and MobileNetV2
+    cut after their first blocks to save time: on every mesh they use, each layer of the cut
+    model is placed as the whole model's layer of the same name (implementation, layouts,
+    gathers, kernel split, collectives), and every decision the whole model's plan makes occurs
+    in the cut one, so the checks there run every kind of placement the whole model has."""
+    small = getattr(user_models, cut)((32, 32, 3), num_classes)
+    large = getattr(user_models, whole)((32, 32, 3), num_classes)
+    for layout in ("filter_split", "fc_only"):
+        for mesh in ({"batch": 1, "model": 2}, {"batch": 2, "model": 2}, {"batch": 1, "model": 4}):
+            (cut_plan, cut_output), (whole_plan, whole_output) = (_decisions(m, layout, mesh) for m in (small, large))
+            assert {name: whole_plan[name] for name in cut_plan} == cut_plan, (layout, mesh)
+            assert set(cut_plan.values()) == set(whole_plan.values()) and cut_output == whole_output, (layout, mesh)
+    assert len(small.layers) < len(large.layers) / 3
 
 
 def test_layers_are_chosen_by_type_not_by_name():

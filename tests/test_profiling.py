@@ -151,21 +151,28 @@ def test_bad_profile_steps_are_usage_errors(tmp_path, flags, needle):
 
 
 def test_resnet50_activation_bytes_measured_equal_the_plans(tmp_path):
-    """keras.applications' ResNet-50 (32x32, batch 8) under model 1x2 filter_split: the forward
-    all-gathers DTensor runs add up to what the placement plan says, to 1%. (A residual
-    block's first conv and its projection shortcut read the same split tensor: DTensor merges
-    their two gathers into one, and so does the plan.)"""
-    run_dir = tmp_path / "resnet50"
-    done = run_cli(f"--run_dir={run_dir}", "--strategy=model", "--cpu_devices=2", "--dataset=synthetic",
-                   "--image_size=32", "--model=tests.user_models:resnet50", "--batch_size=8", "--steps=3",
-                   "--profile_steps=3,3", "--log_every=3", "--noexport", timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    gathers = _report(run_dir)["forward_activation_gathers"]
-    from tests.user_models import resnet50
+    """keras.applications' ResNet-50 under model 1x2 filter_split: the forward all-gathers
+    DTensor runs add up to what the placement plan says, to 1%. (A residual block's first conv
+    and its projection shortcut read the same split tensor: DTensor merges their two gathers
+    into one, and so does the plan.) The run trains ResNet-50 cut after its first blocks (32x32,
+    batch 8), placed layer for layer as the whole (test_placement.py), with both kinds of
+    block; the whole model's plan is pinned here without a run."""
+    from tests.user_models import resnet50, resnet50_first_blocks
     from tf_multigpu.parallel.placement import make_plan
     from tf_multigpu.profiling.analytic import minimum_bytes
-    plan = make_plan(resnet50((32, 32, 3), 1000), "filter_split", [], {"batch": 1, "model": 2})
-    logits = 8 * 1000 * 4   # the split logits' gather for the accuracy
-    analytic = minimum_bytes(plan, 8)["forward_activation_payload"]
-    assert gathers["analytic_payload_bytes"] == analytic == 5_537_792 + logits
+    mesh, logits = {"batch": 1, "model": 2}, 8 * 1000 * 4   # the split logits' gather for the accuracy
+    whole = make_plan(resnet50((32, 32, 3), 1000), "filter_split", [], mesh)
+    assert minimum_bytes(whole, 8)["forward_activation_payload"] == 5_537_792 + logits
+    run_dir = tmp_path / "resnet50"
+    done = run_cli(f"--run_dir={run_dir}", "--strategy=model", "--cpu_devices=2", "--dataset=synthetic",
+                   "--image_size=32", "--model=tests.user_models:resnet50_first_blocks", "--batch_size=8",
+                   "--steps=3", "--profile_steps=3,3", "--log_every=3", "--noexport", timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    gathers = _report(run_dir)["forward_activation_gathers"]
+    # Floats per example gathered forward: conv2_block1's first conv (and its shortcut, one gather),
+    # its 3x3 and its last read 8x8x64; each identity block's first conv 8x8x256, its others
+    # 8x8x64; conv3_block1's first (and shortcut) 8x8x256, its others 4x4x128; the classifier 512.
+    floats = 3 * 8 * 8 * 64 + 2 * (8 * 8 * 256 + 2 * 8 * 8 * 64) + 8 * 8 * 256 + 2 * 4 * 4 * 128 + 512
+    analytic = minimum_bytes(make_plan(resnet50_first_blocks((32, 32, 3), 1000), "filter_split", [], mesh), 8)
+    assert gathers["analytic_payload_bytes"] == analytic["forward_activation_payload"] == 8 * floats * 4 + logits
     assert abs(gathers["measured_payload_bytes"] / gathers["analytic_payload_bytes"] - 1) <= 0.01, gathers

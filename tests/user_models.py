@@ -27,20 +27,37 @@ def resnet50(input_shape, num_classes, **_):
                                        classifier_activation=None)
 
 
+def resnet50_first_blocks(input_shape, num_classes, **_):
+    """keras.applications' ResNet-50 (random weights) cut after conv3_block1_out, with
+    ResNet-50's head (global average pooling, `predictions`, logits out): its stem, stage conv2
+    (a projection block and two identity blocks) and conv3's strided projection block -- 53 of
+    its 177 layers, 0.6 M of its 23.6 M parameters, keras' own layers and names. The slow
+    parity and profiling tests run it instead of the whole: each of its layers is placed as
+    ResNet-50's layer of the same name, and every placement decision ResNet-50's plan makes
+    occurs in it (test_placement.py)."""
+    trunk = keras.applications.ResNet50(weights=None, include_top=False, input_shape=input_shape)
+    x = keras.layers.GlobalAveragePooling2D(name="avg_pool")(trunk.get_layer("conv3_block1_out").output)
+    return keras.Model(trunk.input, keras.layers.Dense(num_classes, name="predictions")(x),
+                       name="resnet50_first_blocks")
+
+
 def mobilenet_v2(input_shape, num_classes, **_):
     """keras.applications' MobileNetV2 (random weights), logits out: depthwise convolutions."""
     return keras.applications.MobileNetV2(weights=None, input_shape=input_shape, classes=num_classes,
                                           classifier_activation=None)
 
 
-def mobilenet_v2_035(input_shape, num_classes, **_):
-    """keras.applications' MobileNetV2 at width 0.35 (random weights), logits out: the same
-    layers as mobilenet_v2 (17 depthwise convolutions, BatchNorm, residual adds, zero
-    padding) with a third of the channels (each a multiple of 8), so a cheaper step for the
-    slow tests. Their parity and export checks are about which layers there are and how they
-    are split, not how wide they are (test_placement checks the plans are the same)."""
-    return keras.applications.MobileNetV2(weights=None, input_shape=input_shape, classes=num_classes,
-                                          classifier_activation=None, alpha=0.35)
+def mobilenet_v2_first_blocks(input_shape, num_classes, **_):
+    """keras.applications' MobileNetV2 (random weights) cut after block_2_add, with a head of
+    global average pooling and `predictions` (logits out): its stem, the unexpanded first block,
+    a strided block behind zero padding and a residual block -- 27 of its 156 layers, keras' own
+    layers and names. The slow parity and export tests run it instead of the whole: each of its
+    layers is placed as MobileNetV2's layer of the same name, and every placement decision
+    MobileNetV2's plan makes occurs in it (test_placement.py)."""
+    trunk = keras.applications.MobileNetV2(weights=None, include_top=False, input_shape=input_shape)
+    x = keras.layers.GlobalAveragePooling2D(name="global_average_pooling2d")(trunk.get_layer("block_2_add").output)
+    return keras.Model(trunk.input, keras.layers.Dense(num_classes, name="predictions")(x),
+                       name="mobilenet_v2_first_blocks")
 
 
 def renamed_convnet(input_shape, num_classes, **_):
@@ -78,3 +95,4 @@ def small_resnet_bn(input_shape, num_classes):
     x = layers.ReLU()(layers.Add()([x, y]))
     x = layers.GlobalAveragePooling2D()(x)
     return keras.Model(images, layers.Dense(num_classes)(x), name="small_resnet_bn")
+
