@@ -87,7 +87,8 @@ def _whole_batches(source, seed, global_batch, batch_size, start_epoch, step_in_
     batch in one call; a source without one decodes per element (a parallel map between
     unbatch and batch), the only per-element stage left. No positions are carried: only
     augmentation needs them, and it takes the per-element path. tf.data's per-element work
-    was most of the cost: digits, 45 us an image before, 6 after (BUILD_NOTES, "Input").
+    was most of the cost: digits, 22-45 us an image before, 2-4 after (BUILD_NOTES, "Input a
+    batch at a time").
     """
     def epoch(e):
         return _permuted_blocks(source, seed, e).rebatch(global_batch, drop_remainder=True)
