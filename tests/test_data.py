@@ -1,5 +1,7 @@
 """Data sets and the pipeline: real digits, seeded resumable order, per-replica slices, TFDS."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -67,6 +69,31 @@ def test_replicas_get_consecutive_slices_of_the_global_batch(digits, devices, nu
         _, y_global = next(whole)
         y_parts = np.concatenate([y.numpy() for y in par.strategy.experimental_local_results(labels)])
         np.testing.assert_array_equal(y_parts, y_global)
+
+
+@pytest.mark.parametrize("name, kwargs", [("digits", {}), ("synthetic", {"image_size": 8})])
+@pytest.mark.parametrize("global_batch, batch_size, start_step, shard", [
+    (256, 64, 0, (0, 1)),     # per-replica pieces of 4 replicas, several epochs
+    (256, 256, 7, (0, 1)),    # whole global batches, resumed mid-epoch (digits: 5 steps an epoch)
+    (64, 16, 30, (1, 2)),     # the second of 2 workers, resumed in a later epoch
+    (96, 32, 3, (2, 3)),      # 3 workers: a worker's 32 rows are one batch
+    (64, 24, 0, (0, 2)),      # a worker's 32 rows do not divide into its batches of 24
+])
+def test_whole_batch_path_gives_the_per_element_paths_batches(name, kwargs, global_batch, batch_size,
+                                                              start_step, shard):
+    source = load_source(name, **kwargs)
+    assert not source.train_decode                   # takes pipeline._whole_batches
+    assert bool(source.batch_decode) == (name == "digits")   # digits: decoded a batch at a time
+    # An augmentation that is the identity sends the same source down the per-element path.
+    per_element = dataclasses.replace(source, train_decode=lambda record, key: source.decode(record))
+    args = dict(seed=5, global_batch=global_batch, batch_size=batch_size, start_step=start_step, shard=shard)
+    fast, general = train_dataset(source, **args), train_dataset(per_element, **args)
+    assert fast.element_spec == general.element_spec
+    steps = 3 * steps_per_epoch(source, global_batch) if name == "digits" else 40
+    count = steps * global_batch // shard[1] // batch_size
+    for (xa, ya), (xb, yb) in zip(fast.take(count), general.take(count), strict=True):
+        np.testing.assert_array_equal(ya, yb)
+        np.testing.assert_array_equal(xa, xb)
 
 
 def test_test_split_is_padded_with_zero_weight_rows(digits):

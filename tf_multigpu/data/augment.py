@@ -67,7 +67,9 @@ def with_augment(source: ImageSource, raw_decode, augment: str, size: int) -> Im
         train_decode = None
     else:
         raise UsageError(f"unknown --augment={augment!r}: choose one of {', '.join(AUGMENTS)}")
-    return dataclasses.replace(source, image_shape=shape, decode=decode, train_decode=train_decode)
+    # batch_decode=None: a batch decoder of the raw records would not resize or crop.
+    return dataclasses.replace(source, image_shape=shape, decode=decode, train_decode=train_decode,
+                               batch_decode=None)
 
 
 def _to_uint8(image):

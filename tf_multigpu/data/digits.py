@@ -34,4 +34,5 @@ def load_digits_source() -> ImageSource:
         pixel_max=16.0,
         train_records=lambda: tf.data.Dataset.from_tensor_slices((x_train, y_train)),
         test_records=lambda: tf.data.Dataset.from_tensor_slices((x_test, y_test)),
+        batch_decode=lambda records: records,   # records are the pixels: decode is the identity
     )

@@ -6,6 +6,9 @@ decoding them. `preprocess` turns a batch of stored pixels into the model's floa
 export embeds the same function, so a client sends pixels as the data set stores them.
 A source may augment its training images (`train_decode`): decoded per example with a key
 derived from (seed, the example's global position), so augmentation is seeded and stateless.
+A source whose records need no per-example decoding (pixels in memory) may say so with
+`batch_decode`: the training pipeline then decodes a whole batch in one call instead of one
+record at a time, for the same batches (data/pipeline.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ class ImageSource:
     # (record, key) -> image for training, key = (seed, the example's position in the batch
     # stream): a seeded random augmentation (data/augment.py). None: `decode`.
     train_decode: Callable | None = None
+    # (records of a batch) -> their images: exactly `decode` of each record, stacked, in one
+    # call. Set only where that is cheaper than tf.data's parallel per-record map (digits:
+    # identity); ignored if the source augments (`train_decode`). None: decoded per element.
+    batch_decode: Callable | None = None
     skipped: tuple = ()           # files left out as unreadable (--skip_bad_images)
     input_threads: int = 0        # tf.data threads for this source's pipelines (0: one per core)
 
