@@ -118,3 +118,38 @@ def test_plain_sgd_decays_kernels_inside_the_gradient():
     opt.apply([tf.ones((2, 2)), tf.ones((2,))], [kernel, bias])
     np.testing.assert_allclose(kernel.numpy(), 2.0 - 0.5 * (1.0 + 0.1 * 2.0))
     np.testing.assert_allclose(bias.numpy(), 2.0 - 0.5 * 1.0)
+
+
+def test_no_update_temporary_exists_before_its_gradient(devices):
+    """Every tensor the optimizer's update makes from a variable (the decay's l2 * w, the
+    momentum's m * v) waits for the gradient: one that only reads variables would be computed
+    as the step starts and held through the forward and backward pass (2 x the parameters;
+    training/optimizer.py). Hybrid 2x2. (With --shard_optimizer_state the weights' slice to
+    the slot's shard is still such a read: BUILD_NOTES.md, "Memory, fifth pass".)"""
+    from tf_multigpu.data import load_source
+    from tf_multigpu.training.run import build_run
+    from tf_multigpu.training.step import make_train_step
+
+    cfg = Config(strategy="hybrid", model="small_convnet", batch_size=64, steps=1, mesh="batch:2,model:2",
+                 layout="filter_split")
+    run = build_run(cfg, devices[:4], source=load_source("digits"))
+    images, labels = next(iter(run.train_batches()))
+    graph = tf.function(make_train_step(run.model, run.optimizer, 64)).get_concrete_function(images, labels).graph
+    update = [op for op in graph.get_operations() if op.name.startswith(run.optimizer.name + "/")
+              and any(t.op.type == "ReadVariableOp" for t in op.inputs) and op.outputs
+              and op.outputs[0].shape.rank]   # not the learning rate's scalars
+
+    def after_a_gradient(op):
+        seen, todo = set(), [op]
+        while todo:
+            for producer in [t.op for t in todo.pop().inputs]:
+                if producer.name.startswith("gradient"):
+                    return True
+                if producer.name not in seen:
+                    seen.add(producer.name)
+                    todo.append(producer)
+        return False
+
+    assert len(update) >= 6, [op.name for op in update]   # at least m * v and l2 * w of three kernels
+    early = [f"{op.type} {op.name}" for op in update if not after_a_gradient(op)]
+    assert not early, early
