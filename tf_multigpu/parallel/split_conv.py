@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["split_conv2d"]
+__all__ = ["CHUNK_BYTES", "row_chunks", "split_conv2d"]
 
 
 def _same_pads(n: int, k: int, s: int) -> tuple[int, int]:
@@ -93,7 +93,7 @@ def _patch_index(wp: int, kh: int, kw: int, rows: int, ow: int, row0: int = 0,
     return ((row0 + h + i) * wp + (w + j)).reshape(-1).astype(np.int32)
 
 
-def _row_chunks(n_rows: int, row_bytes: int, budget: int) -> list[tuple[int, int]]:
+def row_chunks(n_rows: int, row_bytes: int, budget: int) -> list[tuple[int, int]]:
     """Splits n_rows output rows into near-equal chunks of at most `budget` bytes of patches
     (at least one row each)."""
     per = max(1, min(n_rows, budget // max(row_bytes, 1)))
@@ -177,7 +177,7 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int):
         tp = tf.pad(t, [[0, 0], [pt, pb], [pl, pr], [0, 0]]) if pt or pb or pl or pr else t
         return tf.reshape(tp, [-1, hp * wp, c])
 
-    y_chunks = _row_chunks(oh, batch * ow * kh * kw * c * isize, chunk_bytes)
+    y_chunks = row_chunks(oh, batch * ow * kh * kw * c * isize, chunk_bytes)
 
     @tf.custom_gradient
     def conv(x, w):
@@ -202,7 +202,7 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int):
             dwp = wd + kw - 1
             flat = tf.reshape(dyp, [-1, (h + kh - 1) * dwp, o])
             w3 = tf.reshape(w, [kh * kw, c, o])
-            x_chunks = _row_chunks(h, batch * wd * kh * kw * o * isize, chunk_bytes)
+            x_chunks = row_chunks(h, batch * wd * kh * kw * o * isize, chunk_bytes)
             dxs = _map_chunks(lambda r0, r1, q: tf.einsum("bhwkd,kcd->bhwc", q, w3),  # o sharded: an all-reduce
                               flat, dwp, kh, kw, wd, x_chunks, flip=True)                  # per chunk
             return (tf.concat(dxs, axis=1) if len(dxs) > 1 else dxs[0]), dw

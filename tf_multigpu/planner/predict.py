@@ -62,7 +62,7 @@ import dataclasses
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES
 from tf_multigpu.parallel.mesh_spec import mesh_flag
-from tf_multigpu.parallel.split_conv import CHUNK_BYTES, _row_chunks
+from tf_multigpu.parallel.split_conv import CHUNK_BYTES, row_chunks
 from tf_multigpu.planner import comm
 from tf_multigpu.planner.cost_model import BYTES_PER_VALUE, ModelCost, memory_per_device, placement
 from tf_multigpu.planner.device_profile import (
@@ -75,7 +75,7 @@ from tf_multigpu.planner.device_profile import (
 # DTensorAllReduceOp` in the comm report), on top of gathering the logits for the accuracy.
 SOFTMAX_EXCHANGE_VALUES = 3
 # What a training step returns, summed over the batch axis: one scalar all-reduce each under DTensor.
-STEP_SCALARS = ("loss_sum", "correct", "count")   # training/step.SCALARS (not imported: it starts Keras)
+STEP_SCALARS = ("loss_sum", "correct", "count")   # training/step.SCALARS (the planner does not import training)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,11 +198,11 @@ def sync_collectives(p, layer, global_batch: int) -> dict:
     if not p.split_conv_flops or not layer.out_rows:
         return {}
     row_bytes = global_batch * layer.patch_elems * BYTES_PER_VALUE / layer.out_rows
-    y_chunks = len(_row_chunks(layer.out_rows, int(row_bytes), CHUNK_BYTES))
+    y_chunks = len(row_chunks(layer.out_rows, int(row_bytes), CHUNK_BYTES))
     out = {"all": y_chunks, "batch": y_chunks - 1, "model": 0}   # y chunks - 1 waits + dy's; patch waits
     if p.input_grad:
         dy_patches = layer.patch_elems * layer.out_elems / max(layer.in_elems, 1)
-        x_chunks = len(_row_chunks(layer.in_rows, int(global_batch * dy_patches * BYTES_PER_VALUE / layer.in_rows),
+        x_chunks = len(row_chunks(layer.in_rows, int(global_batch * dy_patches * BYTES_PER_VALUE / layer.in_rows),
                                    CHUNK_BYTES))
         out["model"] += x_chunks - 1
         out["batch"] += x_chunks - 1
