@@ -22,6 +22,7 @@ DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 # keeps this process quiet with when it started, and commands choose their own (cli.py).
 if os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "2" and not _USER_LEVEL:
     del os.environ["TF_CPP_MIN_LOG_LEVEL"]
+_USER_GATHER_LOWERING = os.environ.get("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,6 +31,18 @@ def run_cli(*args, timeout=300, env=None):
     return subprocess.run([sys.executable, "-m", "tf_multigpu.train", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(autouse=True)
+def _gather_lowering_as_the_user_left_it():
+    """A DTensorParallelism made in this process chooses DTensor's all-gather lowering for its
+    mesh through the environment (parallel/dtensor_mesh.py); the next test, and the commands
+    it starts, begin from the user's environment again."""
+    yield
+    if _USER_GATHER_LOWERING is None:
+        os.environ.pop("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2", None)
+    else:
+        os.environ["LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"] = _USER_GATHER_LOWERING
 
 
 @pytest.fixture

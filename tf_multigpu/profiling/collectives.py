@@ -10,9 +10,10 @@ really runs:
 
 Bytes moved per device follow the algorithm each op runs: an all-reduce over g devices moves
 2(g-1)/g of its payload per device (ring: reduce-scatter then all-gather), an all-gather or a
-reduce-scatter (g-1)/g, an all-to-all (g-1)/g. On CPU, DTensor lowers an all-gather to an
-all-reduce of a zero-padded buffer (op `CollectiveReduceV2` named `DTensorAllGatherOp`), so
-it moves an all-reduce's bytes; we count what runs.
+reduce-scatter (g-1)/g, an all-to-all (g-1)/g. On a model-only mesh DTensor lowers an
+all-gather to a CollectiveGatherV2 between two transposes (parallel/dtensor_mesh.py); on a
+mesh with a batch axis, to an all-reduce of a zero-padded buffer (`CollectiveReduceV2` named
+`DTensorAllGatherOp`). Both are counted as gathers.
 """
 
 from __future__ import annotations
@@ -166,18 +167,51 @@ def from_dtensor_graph_def(graph_def, global_batch: int = 0, weight_shapes=froze
                                     int(np.prod(_shape(part))) * dtype.size, group, forward=False))
         if node.name in parts:
             continue
-        shape = _shape(node) or _shape(nodes.get(node.input[0].split(":")[0]))
+        if node.op == "CollectiveGatherV2":
+            shape, specs = _gathered_tensor(node, nodes)
+            packed = False   # a gather is of one tensor
+        else:
+            shape = _shape(node) or _shape(nodes.get(node.input[0].split(":")[0]))
+            specs = _specs(node)
+            # DTensor may pack several tensors into one flat buffer: its layout then has more
+            # dimensions than the buffer. Such a buffer is not one layer's forward output.
+            packed = shape is not None and len(specs) != len(shape)
         payload = int(np.prod(shape)) * dtype.size if shape is not None else 0
-        layout = node.attr["_layout"].list.s[0].decode() if "_layout" in node.attr else ""
-        specs = layout.split("sharding_specs:")[-1].split(" mesh")[0].split(",")
-        specs = [spec for spec in specs if spec]
-        # DTensor may pack several tensors into one flat buffer: its layout then has more
-        # dimensions than the buffer. Such a buffer is not one layer's forward output.
-        packed = shape is not None and len(specs) != len(shape)
         name = node.name.removeprefix("tf.StatefulPartitionedCall/")
         found.append(CollectiveOp(name, op, _kind(shape, specs, op, dtype, global_batch, weight_shapes), payload,
                                 group, forward="gradient_tape" not in name and not packed))
     return found
+
+
+def _specs(node) -> list[str]:
+    """The sharding spec of each dimension in the layout DTensor attached to `node` ([] if none)."""
+    layout = node.attr["_layout"].list.s[0].decode() if "_layout" in node.attr else ""
+    specs = layout.split("sharding_specs:")[-1].split(" mesh")[0].split(",")
+    return [spec for spec in specs if spec]
+
+
+def _gathered_tensor(node, nodes):
+    """(shape, specs) of the tensor a lowered CollectiveGatherV2 gathers, in its own layout.
+
+    The gather concatenates along the first dimension, so DTensor transposes the sharded
+    dimension to the front, gathers, and transposes back; the gather itself carries no
+    layout (`empty_layout`). The tensor is the Transpose's input, whole: its shape is the
+    gathered one with the Transpose's permutation undone, its specs are the input's.
+    """
+    gathered = _shape(node)
+    source = nodes.get(node.input[0].split(":")[0])
+    if source is None or source.op != "Transpose":
+        return gathered, _specs(source) if source is not None else []
+    perm_node = nodes.get(source.input[1].split(":")[0])
+    local = nodes.get(source.input[0].split(":")[0])
+    specs = _specs(local) if local is not None else []
+    if gathered is None or perm_node is None or perm_node.op != "Const":
+        return gathered, specs
+    perm = tf.make_ndarray(perm_node.attr["value"].tensor).tolist()
+    shape = [0] * len(perm)
+    for out_dim, in_dim in enumerate(perm):
+        shape[in_dim] = gathered[out_dim]
+    return shape, specs
 
 
 def _kind(shape, specs, op, dtype, global_batch, weight_shapes) -> str:
