@@ -109,6 +109,22 @@ def test_layout_rules_are_checked():
         parse_rules("conv1")
 
 
+def test_gather_lowering_is_chosen_by_the_mesh_and_the_user_wins(monkeypatch):
+    """CollectiveGatherV2 on a model-only mesh, DTensor's default on a mesh with a batch axis
+    (where TF 2.21's CollectiveGatherV2 is wrong), and a value the user exported is kept."""
+    from tf_multigpu.parallel import dtensor_mesh
+    name = dtensor_mesh.GATHER_LOWERING
+    monkeypatch.setattr(dtensor_mesh, "_USER_GATHER_LOWERING", None)
+    dtensor_mesh._choose_gather_lowering({"batch": 1, "model": 4})
+    assert os.environ.get(name) == "1"
+    dtensor_mesh._choose_gather_lowering({"batch": 2, "model": 2})
+    assert name not in os.environ
+    monkeypatch.setattr(dtensor_mesh, "_USER_GATHER_LOWERING", "0")
+    monkeypatch.setenv(name, "0")
+    dtensor_mesh._choose_gather_lowering({"batch": 1, "model": 2})
+    assert os.environ[name] == "0"
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--strategy=hybrid", "--cpu_devices=4", "--mesh=batch:4,model:1"], "--strategy=hybrid needs both mesh axes > 1"),
     (["--strategy=model", "--cpu_devices=2", "--mesh=batch:2,model:2"], "needs 4 devices but 2 are used"),

@@ -461,6 +461,12 @@ def test_communication_report_measures_the_bytes_the_planner_predicts(tmp_path):
         assert measured == pytest.approx(predicted.grad_comm_bytes + predicted.activation_comm_bytes), name
         if name == "data4":
             assert moved["gradients"]["moved_bytes"] == pytest.approx(predicted.grad_comm_bytes)
+        # A model-only mesh gathers with CollectiveGatherV2; a 2-D mesh keeps DTensor's padded
+        # all-reduce, whose CollectiveGatherV2 is wrong there (parallel/dtensor_mesh.py).
+        gathers = {c["op_type"] for c in _read_json(run_dir, "comm_report.json")["collectives"]
+                   if c["op"] == "all_gather" and c["forward"]}
+        want = {"data4": set(), "model2": {"CollectiveGatherV2"}, "hybrid4": {"CollectiveReduceV2"}}[name]
+        assert gathers == want, (name, gathers)
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ class CollectiveOp:
     payload_bytes: int # the tensor this device contributes / receives in full
     group_size: int
     forward: bool      # part of the forward pass (not the gradient computation or update)
+    op_type: str = ""  # the TensorFlow op that runs it, e.g. CollectiveGatherV2
 
     @property
     def moved_bytes(self) -> float:
@@ -79,7 +80,7 @@ def from_function_graph(graph, device: str) -> list[CollectiveOp]:
         payload = int(np.prod(tensor.shape.as_list())) * tensor.dtype.size
         group = _group_size(op)
         kind = "scalars" if tensor.shape.rank == 0 else "gradients"   # data parallelism reduces only gradients
-        found.append(CollectiveOp(op.name, kind_of_op, kind, payload, group, forward=False))
+        found.append(CollectiveOp(op.name, kind_of_op, kind, payload, group, forward=False, op_type=op.type))
     return found
 
 
@@ -164,7 +165,8 @@ def from_dtensor_graph_def(graph_def, global_batch: int = 0, weight_shapes=froze
             shape = _shape(nodes.get(flat.input[0].split(":")[0])) if flat else _shape(part)
             part_op = "all_gather" if "AllGather" in name else "all_reduce"
             found.append(CollectiveOp(name, part_op, _kind(shape, [], part_op, dtype, global_batch, weight_shapes),
-                                    int(np.prod(_shape(part))) * dtype.size, group, forward=False))
+                                    int(np.prod(_shape(part))) * dtype.size, group, forward=False,
+                                    op_type=node.op))
         if node.name in parts:
             continue
         if node.op == "CollectiveGatherV2":
@@ -179,7 +181,7 @@ def from_dtensor_graph_def(graph_def, global_batch: int = 0, weight_shapes=froze
         payload = int(np.prod(shape)) * dtype.size if shape is not None else 0
         name = node.name.removeprefix("tf.StatefulPartitionedCall/")
         found.append(CollectiveOp(name, op, _kind(shape, specs, op, dtype, global_batch, weight_shapes), payload,
-                                group, forward="gradient_tape" not in name and not packed))
+                                group, forward="gradient_tape" not in name and not packed, op_type=node.op))
     return found
 
 
