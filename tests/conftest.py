@@ -22,8 +22,9 @@ DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 # keeps this process quiet with when it started, and commands choose their own (cli.py).
 if os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "2" and not _USER_LEVEL:
     del os.environ["TF_CPP_MIN_LOG_LEVEL"]
-_USER_GATHER_LOWERING = os.environ.get("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from tf_multigpu.parallel import dtensor_mesh  # noqa: E402  (after the logical devices exist)
 
 
 def run_cli(*args, timeout=300, env=None):
@@ -39,10 +40,7 @@ def _gather_lowering_as_the_user_left_it():
     mesh through the environment (parallel/dtensor_mesh.py); the next test, and the commands
     it starts, begin from the user's environment again."""
     yield
-    if _USER_GATHER_LOWERING is None:
-        os.environ.pop("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2", None)
-    else:
-        os.environ["LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"] = _USER_GATHER_LOWERING
+    dtensor_mesh.restore_gather_lowering()
 
 
 @pytest.fixture

@@ -123,6 +123,11 @@ def test_gather_lowering_is_chosen_by_the_mesh_and_the_user_wins(monkeypatch):
     monkeypatch.setenv(name, "0")
     dtensor_mesh._choose_gather_lowering({"batch": 1, "model": 2})
     assert os.environ[name] == "0"
+    # A command started from a process that chose for its mesh does not take that for the user's.
+    seen = subprocess.run([sys.executable, "-c", "from tf_multigpu.parallel import dtensor_mesh as m; "
+                           "print(m._USER_GATHER_LOWERING)"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, name: "1", dtensor_mesh._OURS: "1"}, timeout=120)
+    assert seen.stdout.strip().splitlines()[-1] == "None", seen.stderr[-2000:]
 
 
 @pytest.mark.parametrize("flags, needle", [

@@ -45,7 +45,10 @@ from tf_multigpu.parallel.stateless_dropout import stateless_dropout
 U = dtensor.UNSHARDED
 
 GATHER_LOWERING = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
-_USER_GATHER_LOWERING = os.environ.get(GATHER_LOWERING)   # the user's choice, if any, wins
+# Marks the variable as set by us, so a command started from this process does not take our
+# choice for its mesh as the user's for its own.
+_OURS = "TF_MULTIGPU_CHOSE_GATHER_LOWERING"
+_USER_GATHER_LOWERING = None if os.environ.get(_OURS) else os.environ.get(GATHER_LOWERING)   # the user's wins
 
 
 def _choose_gather_lowering(mesh_shape: dict) -> None:
@@ -64,10 +67,20 @@ def _choose_gather_lowering(mesh_shape: dict) -> None:
     """
     if _USER_GATHER_LOWERING is not None:
         return
+    os.environ[_OURS] = "1"
     if mesh_shape["batch"] == 1:
         os.environ[GATHER_LOWERING] = "1"
     else:
         os.environ.pop(GATHER_LOWERING, None)
+
+
+def restore_gather_lowering() -> None:
+    """Puts the user's value (or its absence) back: what steps lowered from now on use."""
+    os.environ.pop(_OURS, None)
+    if _USER_GATHER_LOWERING is None:
+        os.environ.pop(GATHER_LOWERING, None)
+    else:
+        os.environ[GATHER_LOWERING] = _USER_GATHER_LOWERING
 
 
 class DTensorParallelism:
