@@ -75,10 +75,11 @@ def test_missing_run_dir():
 
 @pytest.mark.slow
 def test_default_command_learns_digits_and_exports_a_servable_model(default_run):
-    run_dir, _, summary = default_run   # `--run_dir` alone, within 180 s (conftest.py)
+    # `--run_dir` alone. Its time is not asserted (speed is a benchmark's job, not a test's): the
+    # fixture's 180 s timeout only stops a hung run, so a `wall_time_s < 180` here could not fail.
+    run_dir, _, summary = default_run
     assert summary["strategy"] == "data" and len(summary["devices"]) == 2
     assert summary["test_accuracy"] >= 0.97
-    assert summary["wall_time_s"] < 180
     assert json.load(open(os.path.join(run_dir, "summary.json"))) == summary
     # A fresh process that imports only TensorFlow serves the export: same accuracy.
     [result] = serve_digits([os.path.join(run_dir, "export")])
