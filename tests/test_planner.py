@@ -224,7 +224,27 @@ def test_measure_times_the_models_step_at_each_plans_examples_per_device(devices
     p = planner.measure(devices[:2], model, 32, global_batch=64)
     assert sorted(p.batch_flops_per_s) == [32, 64] and min(p.batch_flops_per_s.values()) > 1e8
     assert p.flops_per_s == p.batch_flops_per_s[32] and p.alone_flops_per_s > 1e8
+    # The split convolution's overhead is timed at the same batches; the scalar is the smallest's.
+    assert sorted(p.batch_split_conv_overhead) == [32, 64] and min(p.batch_split_conv_overhead.values()) > 0
+    assert p.split_conv_overhead == p.batch_split_conv_overhead[32]
     assert 0 <= p.split_conv_replicated <= 1
+
+
+def test_split_convolutions_cost_their_overhead_at_the_groups_batch(alexnet_cost):
+    """Issue 14: the split convolution's overhead grows with the batch on CPUs (its patches
+    grow, the stock convolution gets more efficient), so a measured profile keeps one per batch.
+    A split convolution runs its group's whole batch: 64 on a 1x4 mesh at global batch 64, 32
+    on a 2x2 one (interpolated in log(batch) between 16 and 64)."""
+    by_batch = _profile(batch_split_conv_overhead={16: 1.0, 64: 2.0}, split_conv_overhead=1.0)
+
+    def compute(profile, b, m):
+        return predict_plan(alexnet_cost, profile, 64, "model" if b == 1 else "hybrid", b, m,
+                            "filter_split").compute_s
+
+    assert by_batch.split_conv_overhead_at(32) == pytest.approx(1.5)
+    for b, m, overhead in ((1, 4, 2.0), (2, 2, 1.5)):
+        assert compute(by_batch, b, m) == pytest.approx(compute(_profile(split_conv_overhead=overhead), b, m))
+        assert compute(by_batch, b, m) > compute(_profile(split_conv_overhead=1.0), b, m)
 
 
 def test_a_measured_rate_per_batch_prices_each_plan_at_its_own_examples_per_device(alexnet_cost):

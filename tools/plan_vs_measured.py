@@ -118,7 +118,8 @@ def main(argv):
           f"per device with all busy, {p.single_device_memory_bandwidth_bytes_per_s / 1e9:.2f} alone; "
           f"{p.per_op_overhead_s * 1e6:.1f} us per op; all-reduce {p.link_bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
           f"{p.collective_overhead_s * 1e3:.2f} ms per collective; "
-          f"split conv {p.split_conv_overhead:.2f}x tf.nn.conv2d, "
+          "split conv " + ", ".join(f"{o:.2f}x at {b}" for b, o in sorted(p.batch_split_conv_overhead.items()))
+          + " tf.nn.conv2d, "
           f"{p.split_conv_replicated:.2f} of it not divided by the filters' split; input pipeline "
           f"{p.input_images_per_s:.0f} images/s alone. "
           f"Load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} (2 cores).")

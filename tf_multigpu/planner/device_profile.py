@@ -78,6 +78,8 @@ class DeviceProfile:
     single_device_memory_bandwidth_bytes_per_s: float = 0.0   # one device alone (0: as above)
     batch_flops_per_s: dict = dataclasses.field(default_factory=dict)   # examples per device -> FLOP/s
                                          # per device, all busy (measured profiles; {}: peak x efficiency)
+    batch_split_conv_overhead: dict = dataclasses.field(default_factory=dict)   # examples per device ->
+                                         # split_conv_overhead at that batch (measured; {}: the scalar)
     input_images_per_s: float = 0.0      # the run's input pipeline alone (0: not modelled)
     input_shares_cores: bool = False     # the pipeline computes on the devices' cores (logical CPUs):
                                          # its time adds to the step instead of overlapping it
@@ -94,16 +96,16 @@ class DeviceProfile:
         CPU's rate grows with the batch (AlexNet 64x64 on 4 logical CPUs: 1.8x from 16 to 64
         examples), so measured profiles keep a rate per batch, interpolated in log(batch) and
         held constant past their ends."""
-        if not self.batch_flops_per_s:
-            return self.flops_per_s
-        points = sorted((float(b), r) for b, r in self.batch_flops_per_s.items())
-        if batch <= points[0][0]:
-            return points[0][1]
-        for (b0, r0), (b1, r1) in zip(points, points[1:]):
-            if batch <= b1:
-                t = math.log(batch / b0) / math.log(b1 / b0)
-                return r0 + t * (r1 - r0)
-        return points[-1][1]
+        return _at_batch(self.batch_flops_per_s, batch) if self.batch_flops_per_s else self.flops_per_s
+
+    def split_conv_overhead_at(self, batch: float) -> float:
+        """The split convolution's time over tf.nn.conv2d's at `batch` examples per device (0:
+        not known). Its patches grow with the batch while the stock convolution gets more
+        efficient, so on CPUs the overhead rises with it (AlexNet 64x64 on 4 logical CPUs:
+        0.82x at 16, 0.96x at 32, 1.0x at 64); measured profiles keep one per batch."""
+        if self.batch_split_conv_overhead:
+            return _at_batch(self.batch_split_conv_overhead, batch)
+        return self.split_conv_overhead
 
     @property
     def alone_flops_per_s(self) -> float:
@@ -112,6 +114,19 @@ class DeviceProfile:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _at_batch(by_batch: dict, batch: float) -> float:
+    """A per-batch measurement at `batch`: interpolated in log(batch) between the measured
+    batches, held constant past their ends."""
+    points = sorted((float(b), r) for b, r in by_batch.items())
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, r0), (b1, r1) in zip(points, points[1:]):
+        if batch <= b1:
+            t = math.log(batch / b0) / math.log(b1 / b0)
+            return r0 + t * (r1 - r0)
+    return points[-1][1]
 
 
 def builtin_names() -> list[str]:
@@ -150,15 +165,16 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
     backward step: with all devices busy at every per-device batch a plan on these devices
     runs for the run's `global_batch` (`plan_batches`; default `batch` x the devices), and on
     one device alone at the global batch. The split convolution's overhead is timed on the
-    model's own convolutions at `batch` examples per device (give the run's: small feature maps
-    run far below a large layer's rate, and the im2col overhead grows as maps shrink,
-    BUILD_NOTES); the all-reduce at the size of the model's gradients. `input_dataset`, the
+    model's own convolutions (small feature maps run far below a large layer's rate, and the
+    im2col overhead grows as maps shrink, BUILD_NOTES), with a model at each of those
+    per-device batches (its patches grow with the batch), else at `batch`; the all-reduce at
+    the size of the model's gradients. `input_dataset`, the
     run's training batches (`input_batches`), is timed alone for the input pipeline's rate."""
     import tensorflow as tf
 
     convs = _model_convs(model) if model is not None else []
     convs = convs or [((16, 16, 64), (3, 3, 64, 64), 1, "SAME")]
-    by_batch, grad_bytes = {}, 0
+    by_batch, grad_bytes, sizes = {}, 0, [batch]
     if model is not None:   # the whole model's step: its pooling, activations, loss and small layers too
         from tf_multigpu.planner.cost_model import analyze
         per_example = sum(layer.fwd_flops + layer.bwd_flops for layer in analyze(model).layers)
@@ -177,7 +193,8 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
         allreduce_mib = int(min(max(grad_bytes / 2**20, 16), ALLREDUCE_MIB_CAP))
     bandwidth, _ = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib)
     collective = 0.0 if len(devices) < 2 else _collective_overhead(devices)
-    overhead, replicated = _split_conv_overhead(devices, convs, batch)
+    split = {b: _split_conv_overhead(devices, convs, b) for b in sizes}
+    overhead, replicated = split[min(sizes)]
     memory_all, memory_one = _update_bandwidth(devices), _update_bandwidth(devices[:1])
     input_rate = 0.0
     if input_dataset is not None:
@@ -191,6 +208,7 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
         split_conv_replicated=replicated,
         per_op_overhead_s=_op_overhead(devices), memory_bandwidth_bytes_per_s=memory_all,
         single_device_memory_bandwidth_bytes_per_s=memory_one, batch_flops_per_s=by_batch,
+        batch_split_conv_overhead={b: o for b, (o, _) in split.items()},
         input_images_per_s=input_rate, input_shares_cores="GPU" not in devices[0].upper(),
         description=f"measured on {len(devices)} x {devices[0]}",
         source={"method": f"{'the model' if model is not None else 'a 3x3 64->64 16x16 convolution'}'s "

@@ -231,7 +231,8 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
         layers = placement(cost, layout or None, {"batch": b, "model": m})
     except UsageError as e:
         return dataclasses.replace(plan, error=str(e))
-    overhead = profile.split_conv_overhead or assumptions.split_conv_overhead
+    # split convolutions run the group's whole batch (their filters are split, not their rows)
+    overhead = profile.split_conv_overhead_at(group_batch) or assumptions.split_conv_overhead
     by_name = {layer.name: layer for layer in cost.layers}
 
     def rate(p):   # rows split over `model` run a 1/M share of the group's examples
