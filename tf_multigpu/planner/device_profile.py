@@ -19,7 +19,9 @@ on the devices a run will use:
   devices the pipeline runs on the cores the devices compute on, so its time adds to every
   step (`input_shares_cores`); a GPU's step overlaps it and waits only if it is slower.
 - links: a ring all-reduce among all devices (MirroredStrategy, the same collective data
-  parallelism uses) of a large tensor (bandwidth) and of one value; the bandwidth is the
+  parallelism uses) of the model's gradients (bandwidth: as many tensors, in their
+  proportions, so that MirroredStrategy's packing of them into one tensor and back, which a
+  data-parallel step pays, is in it) and of one value each; the bandwidth is the
   per-device "bus" bandwidth, bytes = 2(N-1)/N x size over time, so that the cost model's
   ring formulas give back the measured time.
 - a collective inside a step: a chain of small matmuls with a one-value all-reduce after each,
@@ -174,11 +176,12 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
 
     convs = _model_convs(model) if model is not None else []
     convs = convs or [((16, 16, 64), (3, 3, 64, 64), 1, "SAME")]
-    by_batch, grad_bytes, sizes = {}, 0, [batch]
+    by_batch, grad_bytes, sizes, shares = {}, 0, [batch], [1]
     if model is not None:   # the whole model's step: its pooling, activations, loss and small layers too
         from tf_multigpu.planner.cost_model import analyze
         per_example = sum(layer.fwd_flops + layer.bwd_flops for layer in analyze(model).layers)
-        grad_bytes = sum(math.prod(w.shape) for w in model.trainable_weights) * 4
+        shares = [math.prod(w.shape) for w in model.trainable_weights]
+        grad_bytes = sum(shares) * 4
         step = _ModelStep(devices, model, per_example)
         global_batch = global_batch or batch * len(devices)
         sizes = plan_batches(len(devices), global_batch, _batch_cap(per_example, len(devices)))
@@ -191,7 +194,7 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
         flops_all, flops_one = _conv_rate(devices, convs, batch), _conv_rate(devices[:1], convs, batch)
     if not allreduce_mib:   # the size a data-parallel step all-reduces: on CPUs the bandwidth falls with it
         allreduce_mib = int(min(max(grad_bytes / 2**20, 16), ALLREDUCE_MIB_CAP))
-    bandwidth, _ = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib)
+    bandwidth, _ = (float("inf"), 0.0) if len(devices) < 2 else _allreduce_rates(devices, allreduce_mib, shares)
     collective = 0.0 if len(devices) < 2 else _collective_overhead(devices)
     split = {b: _split_conv_overhead(devices, convs, b) for b in sizes}
     overhead, replicated = split[min(sizes)]
@@ -216,7 +219,8 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
                           "rates); the model's convolutions as split convolutions (all filters and a quarter) "
                           "against tf.nn.conv2d; momentum updates of 8 MiB (memory bandwidth, "
                           f"all at once and alone); chains of tiny ops (per-op overhead); MirroredStrategy ring "
-                          f"all-reduce of {allreduce_mib} MiB (bandwidth); a chain of matmuls with and without a "
+                          f"all-reduce of {allreduce_mib} MiB as {len(shares)} tensor(s) in the proportions of the "
+                          "model's gradients (bandwidth, packing included); a chain of matmuls with and without a "
                           "one-value all-reduce after each (the cost of a collective in a step)"
                           + ("; the run's training batches read alone (input pipeline)" if input_rate else ""),
                 "tensorflow": tf.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
@@ -411,8 +415,11 @@ def _best_time(fn, repeats: int = 3) -> float:
     return best
 
 
-def _allreduce_rates(devices, mib: int) -> tuple[float, float]:
-    """(bus bandwidth in bytes/s per device, latency per ring hop in s) of a ring all-reduce."""
+def _allreduce_rates(devices, mib: int, shares=(1.0,)) -> tuple[float, float]:
+    """(bus bandwidth in bytes/s per device, latency per ring hop in s) of a ring all-reduce of
+    `mib` MiB in all, as one tensor per share of `shares` (give the model's gradients' shares:
+    a data-parallel step all-reduces that list, which MirroredStrategy packs into one tensor
+    and splits back, and the packing is part of what the step pays)."""
     import tensorflow as tf
 
     from tf_multigpu.compat import new_mirrored_collective_keys
@@ -421,21 +428,22 @@ def _allreduce_rates(devices, mib: int) -> tuple[float, float]:
     strategy = tf.distribute.MirroredStrategy(devices=list(devices))
     n = len(devices)
 
-    def timed(values):
+    def timed(sizes):
         with strategy.scope():
-            var = tf.Variable(tf.ones([values]))
+            variables = [tf.Variable(tf.ones([size])) for size in sizes]
 
         @tf.function
         def run():
             def replica():
                 ctx = tf.distribute.get_replica_context()
-                return ctx.all_reduce("sum", var.read_value())[:1]
+                return [t[:1] for t in ctx.all_reduce("sum", [v.read_value() for v in variables])]
             return strategy.run(replica)
 
-        return _best_time(lambda: [t.numpy() for t in strategy.experimental_local_results(run())])
+        return _best_time(lambda: [t.numpy() for t in tf.nest.flatten(strategy.experimental_local_results(run()))])
 
-    small = timed(1)
-    large = timed(mib * 2**20 // 4)
+    total = sum(shares)
+    small = timed([1] * len(shares))
+    large = timed([max(1, round(mib * 2**20 // 4 * share / total)) for share in shares])
     hops = 2 * (n - 1)
     bandwidth = hops / n * mib * 2**20 / max(large - small, 1e-9)
     return bandwidth, small / hops
