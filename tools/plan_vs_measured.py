@@ -112,8 +112,10 @@ def main(argv):
             f"measured {measured[i] * 1e3:.0f} vs {measured[j] * 1e3:.0f} ms)" for i, j in disagree))
     p = profile
     rates = ", ".join(f"{r / 1e9:.1f} at {b}" for b, r in sorted(p.batch_flops_per_s.items()))
+    dense = ", ".join(f"{r / 1e9:.1f} at {b}" for b, r in sorted(p.batch_dense_flops_per_s.items()))
     print(f"\nMeasured profile: GFLOP/s per device (the model's step, fwd+bwd) with all busy {rates} "
-          "examples per device, "
+          "examples per device" + (f" for the layers other than Dense, {dense} for the Dense layers" if dense else "")
+          + ", "
           f"{p.alone_flops_per_s / 1e9:.1f} alone; momentum update {p.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s "
           f"per device with all busy, {p.single_device_memory_bandwidth_bytes_per_s / 1e9:.2f} alone; "
           f"{p.per_op_overhead_s * 1e6:.1f} us per op; all-reduce {p.link_bandwidth_bytes_per_s / 1e9:.2f} GB/s, "

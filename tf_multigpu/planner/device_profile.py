@@ -82,6 +82,9 @@ class DeviceProfile:
                                          # per device, all busy (measured profiles; {}: peak x efficiency)
     batch_split_conv_overhead: dict = dataclasses.field(default_factory=dict)   # examples per device ->
                                          # split_conv_overhead at that batch (measured; {}: the scalar)
+    batch_dense_flops_per_s: dict = dataclasses.field(default_factory=dict)   # examples per device ->
+                                         # FLOP/s of Dense layers, all busy (measured; {}: flops_at's);
+                                         # batch_flops_per_s is then the other layers' rate
     input_images_per_s: float = 0.0      # the run's input pipeline alone (0: not modelled)
     input_shares_cores: bool = False     # the pipeline computes on the devices' cores (logical CPUs):
                                          # its time adds to the step instead of overlapping it
@@ -99,6 +102,16 @@ class DeviceProfile:
         examples), so measured profiles keep a rate per batch, interpolated in log(batch) and
         held constant past their ends."""
         return _at_batch(self.batch_flops_per_s, batch) if self.batch_flops_per_s else self.flops_per_s
+
+    def dense_flops_at(self, batch: float) -> float:
+        """The rate of one device's Dense layers at `batch` rows while all devices work. A
+        fully connected layer reads its whole kernel for `batch` rows, so on CPUs it runs far
+        below the convolutions at small batches (AlexNet 64 on 4 logical CPUs, 16 examples per
+        device: Dense layers 27, the rest 55 GFLOP/s, BUILD_NOTES): a plan that runs the
+        convolutions and the fully connected layers at different batches (conv_data_fc_model)
+        needs both rates. Without a measurement, the model's rate."""
+        return _at_batch(self.batch_dense_flops_per_s, batch) if self.batch_dense_flops_per_s \
+            else self.flops_at(batch)
 
     def split_conv_overhead_at(self, batch: float) -> float:
         """The split convolution's time over tf.nn.conv2d's at `batch` examples per device (0:
@@ -175,19 +188,32 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
     import tensorflow as tf
 
     convs = _model_convs(model) if model is not None else []
-    convs = convs or [((16, 16, 64), (3, 3, 64, 64), 1, "SAME")]
-    by_batch, grad_bytes, sizes, shares = {}, 0, [batch], [1]
+    convs = convs or [((16, 16, 64), (3, 3, 64, 64), 1, "SAME", True)]
+    by_batch, by_dense, grad_bytes, sizes, shares = {}, {}, 0, [batch], [1]
     if model is not None:   # the whole model's step: its pooling, activations, loss and small layers too
         from tf_multigpu.planner.cost_model import analyze
-        per_example = sum(layer.fwd_flops + layer.bwd_flops for layer in analyze(model).layers)
+        layers = analyze(model).layers
+        per_example = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)
         shares = [math.prod(w.shape) for w in model.trainable_weights]
         grad_bytes = sum(shares) * 4
         step = _ModelStep(devices, model, per_example)
         global_batch = global_batch or batch * len(devices)
         sizes = plan_batches(len(devices), global_batch, _batch_cap(per_example, len(devices)))
+        dense = [layer for layer in layers if layer.kind == "dense"]
+        dense_per_example = sum(layer.fwd_flops + layer.bwd_flops for layer in dense)
+        dense_runs = {b: _dense_layers(devices, dense, b) for b in sizes} if dense else {}
+        dense_s = {}
         for _ in range(2):   # interleaved rounds, the best of each: a busy spell on shared cores passes
             for b in sizes:
                 by_batch[b] = max(by_batch.get(b, 0.0), step.rate(devices, b))
+                if dense:
+                    dense_s[b] = min(dense_s.get(b, float("inf")), _best_time(dense_runs[b]))
+        for b in dense_s:   # split the step's time: the Dense layers' own, and the rest's
+            step_s = per_example * b / by_batch[b]
+            rest_s = step_s - dense_s[b]
+            if dense_per_example < per_example and rest_s > 0.1 * step_s:   # else too noisy to split
+                by_dense[b] = dense_per_example * b / dense_s[b]
+                by_batch[b] = (per_example - dense_per_example) * b / rest_s
         flops_all = by_batch[min(sizes)]
         flops_one = step.rate(devices[:1], min(global_batch, _batch_cap(per_example, 1)))
     else:
@@ -212,6 +238,7 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
         per_op_overhead_s=_op_overhead(devices), memory_bandwidth_bytes_per_s=memory_all,
         single_device_memory_bandwidth_bytes_per_s=memory_one, batch_flops_per_s=by_batch,
         batch_split_conv_overhead={b: o for b, (o, _) in split.items()},
+        batch_dense_flops_per_s=by_dense if len(by_dense) == len(by_batch) else {},
         input_images_per_s=input_rate, input_shares_cores="GPU" not in devices[0].upper(),
         description=f"measured on {len(devices)} x {devices[0]}",
         source={"method": f"{'the model' if model is not None else 'a 3x3 64->64 16x16 convolution'}'s "
@@ -223,6 +250,8 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
                           "model's gradients (bandwidth, packing included); a chain of matmuls with and without a "
                           "one-value all-reduce after each (the cost of a collective in a step)"
                           + ("; the run's training batches read alone (input pipeline)" if input_rate else ""),
+                "dense_layers": "the model's Dense layers timed alone (their matmuls forward and backward, all "
+                                "devices at once); the step's other layers at the rest of its time",
                 "tensorflow": tf.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
@@ -260,20 +289,28 @@ def _concurrent(devices, make_inputs, body):
 
 
 def _model_convs(model) -> list[tuple]:
-    """(input shape, kernel shape, stride, padding) of every Conv2D of a built Keras model, read
-    from its graph (parallel/placement.model_graph)."""
+    """(input shape, kernel shape, stride, padding, computes its input's gradient) of every
+    Conv2D of a built Keras model, read from its graph (parallel/placement.model_graph). A
+    convolution with no weights upstream (AlexNet's first) computes no input gradient in a
+    step, as placement decides: timing one it never runs would misstate the layer (tf.nn.conv2d's
+    input gradient at stride 4 costs four times its forward on CPUs, BUILD_NOTES)."""
     import keras
 
     from tf_multigpu.parallel.placement import model_graph
-    return [(node.in_shapes[0], node.weights[node.weight("kernel")], node.config["strides"][0],
-             node.config["padding"].upper())
-            for node in model_graph(model) if issubclass(node.cls, keras.layers.Conv2D)]
+    out, upstream_weights = [], {}
+    for node in model_graph(model):
+        needs_dx = any(upstream_weights.get(p, False) for p in node.inputs)
+        upstream_weights[node.name] = needs_dx or bool(node.trainable)
+        if issubclass(node.cls, keras.layers.Conv2D):
+            out.append((node.in_shapes[0], node.weights[node.weight("kernel")], node.config["strides"][0],
+                        node.config["padding"].upper(), needs_dx))
+    return out
 
 
 def _conv_flops(convs, batch: int) -> float:
     """Forward + backward FLOPs (3x the forward's) of `convs` at `batch`."""
     total = 0.0
-    for (h, w, cin), (kh, kw, _, cout), stride, padding in convs:
+    for (h, w, cin), (kh, kw, _, cout), stride, padding, _ in convs:
         oh, ow = ((h + stride - 1) // stride, (w + stride - 1) // stride) if padding == "SAME" else \
             ((h - kh) // stride + 1, (w - kw) // stride + 1)
         total += 3 * 2.0 * batch * oh * ow * cout * kh * kw * cin
@@ -288,11 +325,11 @@ def _conv_rate(devices, convs, batch: int = 4) -> float:
 
     def make():
         return tuple((tf.random.normal([batch, *shape]), tf.random.normal(kernel) * 0.05)
-                     for shape, kernel, _, _ in convs)
+                     for shape, kernel, *_ in convs)
 
     def body(*pairs):
         total = tf.constant(0.0)
-        for (x, w), (_, _, stride, padding) in zip(pairs, convs):
+        for (x, w), (_, _, stride, padding, _) in zip(pairs, convs):
             with tf.GradientTape() as tape:
                 tape.watch([x, w])
                 y = tf.reduce_sum(tf.nn.conv2d(x, w, stride, padding))
@@ -374,20 +411,60 @@ class _ModelStep:
         return _concurrent(devices, make, body)
 
 
+def _dense_layers(devices, layers, batch: int):
+    """A callable running the matmuls of the Dense `layers` (cost_model LayerCosts) forward and
+    backward at `batch` examples, on every device at once: the kernel's gradient always, the
+    input's where the step computes one."""
+    import tensorflow as tf
+
+    shapes = []
+    for layer in layers:
+        kernel = next(shape for shape in layer.weights.values() if len(shape) == 2)
+        shapes.append((batch * (layer.in_elems // kernel[0]), kernel, layer.bwd_flops > 1.5 * layer.fwd_flops))
+
+    def make():
+        return tuple((tf.random.normal([rows, kernel[0]]), tf.random.normal(kernel) * 0.01)
+                     for rows, kernel, _ in shapes)
+
+    def body(*pairs):
+        total = tf.constant(0.0)
+        for (x, w), (_, _, needs_dx) in zip(pairs, shapes):
+            wanted = [x, w] if needs_dx else [w]
+            with tf.GradientTape() as tape:
+                tape.watch(wanted)
+                y = tf.reduce_sum(tf.matmul(x, w))
+            total += sum(tf.reduce_sum(g[:1]) for g in tape.gradient(y, wanted))
+        return total
+
+    return _concurrent(devices, make, body)
+
+
 def _update_bandwidth(devices, mib: int = 8) -> float:
     """Bytes/s each device moves in a momentum update (read w, g, v; write v, w) while all of
-    `devices` run one: the memory-bound work that every replica repeats on its own weights."""
+    `devices` run one: the memory-bound work that every replica repeats on its own weights.
+
+    Timed on the training's own update (training/optimizer.MomentumSGD with the default weight
+    decay), not on a two-line proxy: its decay and momentum run as separate ops, each a pass
+    over the weights, and on 4 logical CPUs AlexNet 64's update took about 125 ms of a data x4
+    step where the proxy's rate predicted 90 (BUILD_NOTES). The rate stays "bytes of the five
+    passes a fused update would make per second", so a profile keeps its meaning."""
+    import keras
     import tensorflow as tf
+
+    from tf_multigpu.config.config import Config
+    from tf_multigpu.training.optimizer import MomentumSGD
 
     n = mib * 2**20 // 4
 
-    def make():
-        return tf.Variable(tf.zeros([n])), tf.Variable(tf.zeros([n])), tf.ones([n])
+    def make():   # a kernel (rank 2: the decay applies) and its gradient, on this device
+        w = keras.Variable(tf.zeros([n // 1024, 1024]))
+        optimizer = MomentumSGD(learning_rate=0.01, momentum=0.9, l2=Config().weight_decay)
+        optimizer.build([w])
+        return w, tf.ones([n // 1024, 1024]), optimizer
 
-    def body(w, v, g):
-        v.assign(0.9 * v + g)
-        w.assign_sub(0.01 * v)
-        return w[0]
+    def body(w, g, optimizer):
+        optimizer.update_step(g, w, 0.01)
+        return w[0, 0]
 
     return UPDATE_BYTES_PER_PARAM_BYTE * mib * 2**20 / _concurrent_seconds(devices, make, body)
 
@@ -499,23 +576,27 @@ def _split_conv_overhead(devices, convs, batch: int = 4) -> tuple[float, float]:
 
     def make():
         return tuple((tf.random.normal([batch, *shape]), tf.random.normal(kernel) * 0.05)
-                     for shape, kernel, _, _ in convs)
+                     for shape, kernel, *_ in convs)
+
+    def stock(x, w, stride, padding, need_input_grad):
+        return tf.nn.conv2d(x, w, stride, padding)
 
     def timing(conv, filters=1.0):
         def body(*pairs):
             total = tf.constant(0.0)
-            for (x, w), (_, _, stride, padding) in zip(pairs, convs):
+            for (x, w), (_, _, stride, padding, needs_dx) in zip(pairs, convs):
                 w = w[..., :max(1, round(w.shape[-1] * filters))]
+                wanted = [x, w] if needs_dx else [w]   # a first layer's step computes no dx
                 with tf.GradientTape() as tape:
-                    tape.watch([x, w])
-                    y = tf.reduce_sum(conv(x, w, stride, padding))
-                total += sum(tf.reduce_sum(g[:1]) for g in tape.gradient(y, [x, w]))
+                    tape.watch(wanted)
+                    y = tf.reduce_sum(conv(x, w, stride, padding, need_input_grad=needs_dx))
+                total += sum(tf.reduce_sum(g[:1]) for g in tape.gradient(y, wanted))
             return total
         return _concurrent(devices, make, body)
 
     # Interleaved rounds, and the median of each round's ratios: a difference of two timings
     # (the replicated share) is noisy on shared cores, and so is one round.
-    runs = [timing(split_conv2d), timing(split_conv2d, 0.25), timing(tf.nn.conv2d)]
+    runs = [timing(split_conv2d), timing(split_conv2d, 0.25), timing(stock)]
     rounds = [[_best_time(run, repeats=2) for run in runs] for _ in range(3)]
     overhead = statistics.median(ours / stock for ours, _, stock in rounds)
     # t(f) = a + b f over the share f of the filters: t(1) = ours, t(1/4) = quarter.

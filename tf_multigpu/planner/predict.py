@@ -238,7 +238,10 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
     def rate(p):   # rows split over `model` run a 1/M share of the group's examples
         if strategy == "single":
             return profile.alone_flops_per_s
-        return profile.flops_at(group_batch / m if p.rows_split else group_batch)
+        examples = group_batch / m if p.rows_split else group_batch
+        if by_name[p.name].kind == "dense":   # reads its whole kernel per batch: its own rate
+            return profile.dense_flops_at(examples)
+        return profile.flops_at(examples)
 
     compute = sum(_layer_flops(p, by_name[p.name], profile, overhead, m) * group_batch / rate(p) for p in layers)
     compute += profile.per_op_overhead_s * op_count(layers, strategy)
