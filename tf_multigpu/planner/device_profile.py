@@ -225,6 +225,7 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
     split = {b: _split_conv_overhead(devices, convs, b) for b in sizes}
     overhead, replicated = split[min(sizes)]
     memory_all, memory_one = _update_bandwidth(devices), _update_bandwidth(devices[:1])
+    dense_rates = by_dense if len(by_dense) == len(by_batch) else {}   # all batches split, or none
     input_rate = 0.0
     if input_dataset is not None:
         from tf_multigpu.data.throughput import images_per_sec
@@ -238,20 +239,21 @@ def measure(devices, model=None, batch: int = 4, allreduce_mib: int = 0, global_
         per_op_overhead_s=_op_overhead(devices), memory_bandwidth_bytes_per_s=memory_all,
         single_device_memory_bandwidth_bytes_per_s=memory_one, batch_flops_per_s=by_batch,
         batch_split_conv_overhead={b: o for b, (o, _) in split.items()},
-        batch_dense_flops_per_s=by_dense if len(by_dense) == len(by_batch) else {},
+        batch_dense_flops_per_s=dense_rates,
         input_images_per_s=input_rate, input_shares_cores="GPU" not in devices[0].upper(),
         description=f"measured on {len(devices)} x {devices[0]}",
         source={"method": f"{'the model' if model is not None else 'a 3x3 64->64 16x16 convolution'}'s "
                           "step, forward and backward, on all devices at once per batch and on one alone (the FLOP "
                           "rates); the model's convolutions as split convolutions (all filters and a quarter) "
-                          "against tf.nn.conv2d; momentum updates of 8 MiB (memory bandwidth, "
+                          "against tf.nn.conv2d; MomentumSGD updates of 8 MiB (memory bandwidth, "
                           f"all at once and alone); chains of tiny ops (per-op overhead); MirroredStrategy ring "
                           f"all-reduce of {allreduce_mib} MiB as {len(shares)} tensor(s) in the proportions of the "
                           "model's gradients (bandwidth, packing included); a chain of matmuls with and without a "
                           "one-value all-reduce after each (the cost of a collective in a step)"
                           + ("; the run's training batches read alone (input pipeline)" if input_rate else ""),
-                "dense_layers": "the model's Dense layers timed alone (their matmuls forward and backward, all "
-                                "devices at once); the step's other layers at the rest of its time",
+                **({"dense_layers": "the model's Dense layers timed alone (their matmuls forward and backward, "
+                                    "all devices at once); the step's other layers at the rest of its time"}
+                   if dense_rates else {}),
                 "tensorflow": tf.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
