@@ -54,6 +54,7 @@ class LayerCost:
     out_rows: int = 0              # output rows (conv only): the split convolution's chunks are rows
     in_rows: int = 0               # rows of the stride-1 input it convolves (after space-to-depth)
     cls: type = keras.layers.Layer  # the Keras layer class
+    input_grad: bool = True        # computes its input's gradient (something upstream has weights)
 
     @property
     def param_bytes(self) -> int:
@@ -129,7 +130,7 @@ def analyze(model: keras.Model) -> ModelCost:
         bwd = (2.0 * fwd if needs_dx else fwd) if kind in ("conv", "dense") else fwd
         layers.append(LayerCost(node.name, kind, in_elems, out_elems, fwd, bwd, dict(node.weights),
                                 node.trainable, split_fwd, patches, out_rows=rows[0], in_rows=rows[1],
-                                cls=node.cls))
+                                cls=node.cls, input_grad=needs_dx))
     return ModelCost(model.name, tuple(model.input_shape[1:]), int(model.output_shape[-1]), tuple(layers), nodes)
 
 

@@ -298,15 +298,12 @@ def _model_convs(model) -> list[tuple]:
     input gradient at stride 4 costs four times its forward on CPUs, BUILD_NOTES)."""
     import keras
 
-    from tf_multigpu.parallel.placement import model_graph
-    out, upstream_weights = [], {}
-    for node in model_graph(model):
-        needs_dx = any(upstream_weights.get(p, False) for p in node.inputs)
-        upstream_weights[node.name] = needs_dx or bool(node.trainable)
-        if issubclass(node.cls, keras.layers.Conv2D):
-            out.append((node.in_shapes[0], node.weights[node.weight("kernel")], node.config["strides"][0],
-                        node.config["padding"].upper(), needs_dx))
-    return out
+    from tf_multigpu.planner.cost_model import analyze
+    cost = analyze(model)
+    input_grad = {layer.name: layer.input_grad for layer in cost.layers}
+    return [(node.in_shapes[0], node.weights[node.weight("kernel")], node.config["strides"][0],
+             node.config["padding"].upper(), input_grad[node.name])
+            for node in cost.nodes if issubclass(node.cls, keras.layers.Conv2D)]
 
 
 def _conv_flops(convs, batch: int) -> float:
@@ -422,7 +419,7 @@ def _dense_layers(devices, layers, batch: int):
     shapes = []
     for layer in layers:
         kernel = next(shape for shape in layer.weights.values() if len(shape) == 2)
-        shapes.append((batch * (layer.in_elems // kernel[0]), kernel, layer.bwd_flops > 1.5 * layer.fwd_flops))
+        shapes.append((batch * (layer.in_elems // kernel[0]), kernel, layer.input_grad))
 
     def make():
         return tuple((tf.random.normal([rows, kernel[0]]), tf.random.normal(kernel) * 0.01)
