@@ -131,11 +131,39 @@ def _clean_env():
 
 @pytest.mark.slow
 def test_a_usage_error_prints_exactly_one_line_tensorflow_start_up_included(tmp_path):
+    # the model is looked up after TensorFlow started (its factories import Keras): its
+    # start-up lines are held back too
     done = subprocess.run([sys.executable, "-m", "tf_multigpu.train", f"--run_dir={tmp_path / 'X'}",
-                           "--batch_size=7", "--cpu_devices=2"], cwd=REPO, capture_output=True, text=True,
+                           "--model=resnet", "--cpu_devices=2"], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=_clean_env())
     assert done.returncode == USAGE_ERROR
     assert done.stdout == ""
     assert done.stderr.splitlines() == [
-        "tf-multigpu-train: error: --batch_size=7 (the global batch) does not divide by the 2 replicas: "
-        "use a multiple of 2, e.g. --batch_size=6"], done.stderr
+        "tf-multigpu-train: error: unknown --model='resnet': choose one of alexnet, small_convnet, "
+        "or package.module:function"], done.stderr
+
+
+_RUN_AND_REPORT = """
+import sys
+from tf_multigpu import train
+sys.argv[0] = "tf-multigpu-train"
+try:
+    train.run()
+except SystemExit as e:
+    print(e.code, "tensorflow" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch_size=7", "--cpu_devices=2"], "does not divide by the 2 replicas"),
+    (["--strategy=hybrid", "--cpu_devices=4", "--mesh=batch:4,model:1"], "needs both mesh axes > 1"),
+    (["--num_devices=4", "--cpu_devices=2"], "--num_devices=4 but only 2 CPU devices exist: use --cpu_devices>=4"),
+    (["--strategy=single", "--worker_hosts=a:1,b:2", "--task_index=0"], "--strategy=single runs on one device"),
+])
+def test_what_the_flags_decide_is_refused_before_tensorflow_starts(tmp_path, flags, message):
+    """The plan on --cpu_devices devices and the cluster are checked before TensorFlow is
+    imported: a mistyped mesh costs a fraction of a second, not the runtime's start-up."""
+    done = subprocess.run([sys.executable, "-c", _RUN_AND_REPORT, f"--run_dir={tmp_path / 'X'}", *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr[-2000:])
+    assert message in done.stderr.strip().splitlines()[-1]

@@ -1,7 +1,8 @@
 """tf-multigpu-train: the command-line entry point (also `python -m tf_multigpu.train`).
 
 Intentionally short: parse flags, build one validated config, find the cluster (if any) and
-check the flags against it, start TensorFlow quietly (`cli.start_tensorflow`), configure the
+check what the flags alone decide (`check_before_start`: a mistyped mesh costs a fraction of a
+second, not TensorFlow's start-up), start TensorFlow quietly (`cli.start_tensorflow`), configure the
 devices or start the multi-worker runtime (before TensorFlow initialises), resolve
 --strategy=auto with the planner, and call the training loop (which checks the plan against
 the devices: config/plan_checks.py). Bad input prints one line and exits 2; a SIGTERM stops
@@ -14,7 +15,7 @@ from absl import flags
 
 from tf_multigpu import cli
 from tf_multigpu.cli import DOES_NOT_FIT
-from tf_multigpu.config import check_cluster
+from tf_multigpu.config import check_before_start
 from tf_multigpu.config import flags as run_flags
 from tf_multigpu.config.workload_flags import WORKLOAD_FLAGS
 from tf_multigpu.errors import DoesNotFit, UsageError
@@ -28,10 +29,10 @@ def main(argv):
     cluster = None
     try:
         cfg = run_flags.config_from_flags()
-        cli.start_tensorflow()   # quietly, before anything below imports it
-        from tf_multigpu.parallel import cluster as clusters
+        from tf_multigpu.parallel import cluster as clusters  # pure Python (Slurm's resolver starts TensorFlow)
         cluster = clusters.resolve_cluster(cfg.worker_hosts, cfg.task_index)
-        check_cluster(cfg, cluster)   # before a worker's runtime waits for its peers
+        check_before_start(cfg, cluster)   # before TensorFlow starts, and before a worker waits for its peers
+        cli.start_tensorflow()   # quietly, before anything below imports it
         if cfg.profile_steps and cfg.strategy in ("model", "hybrid"):
             # Before TensorFlow runs anything: the report reads DTensor's lowered step graph.
             from tf_multigpu.profiling.collectives import enable_graph_dumps

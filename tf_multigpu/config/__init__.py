@@ -2,7 +2,8 @@
 rules a config must meet on its devices and cluster (`check_plan`)."""
 
 from tf_multigpu.config.config import RESULT_FIELDS, Config, check_resumable, load_config
-from tf_multigpu.config.plan_checks import check_cluster, check_plan
+from tf_multigpu.config.plan_checks import check_before_start, check_cluster, check_plan
 from tf_multigpu.config.run_paths import RunPaths
 
-__all__ = ["Config", "RESULT_FIELDS", "RunPaths", "check_cluster", "check_plan", "check_resumable", "load_config"]
+__all__ = ["Config", "RESULT_FIELDS", "RunPaths", "check_before_start", "check_cluster", "check_plan",
+           "check_resumable", "load_config"]

@@ -110,7 +110,8 @@ def _from_tf_config(text: str) -> Cluster:
 
 
 def _from_slurm(port_base: int = 8888) -> Cluster:
-    import tensorflow as tf
+    from tf_multigpu.cli import start_tensorflow
+    tf = start_tensorflow()   # quietly: the entry point resolves the cluster before it starts TensorFlow
     SlurmClusterResolver = tf.distribute.cluster_resolver.SlurmClusterResolver
     try:
         if shutil.which("nvidia-smi"):   # GPUs: the resolver gives each task its share

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_multigpu.config.plan_checks import check_device_count
 from tf_multigpu.errors import UsageError
 
 DEFAULT_CPU_DEVICES = 2
@@ -38,17 +39,13 @@ def configure_devices(num_devices: int = 0, cpu_devices: int = 0, memory_limit_m
             raise UsageError(f"TensorFlow started with {len(found)} CPU devices before {wanted} could be "
                              "made: configure devices before any other TensorFlow call")
         found = found[:wanted]   # the runtime may have been started with more (tests): take the first
-        hint = f"use --cpu_devices>={num_devices}"
     else:
         if memory_limit_mb:
             for gpu in gpus:
                 _try(lambda gpu=gpu: tf.config.set_logical_device_configuration(
                     gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)] * logical_gpus))
         found = [d.name for d in tf.config.list_logical_devices("GPU")]
-        hint = f"use --num_devices<={len(found)}, or --cpu_devices={num_devices} to test on logical CPUs"
-    if num_devices > len(found):
-        raise UsageError(f"--num_devices={num_devices} but only {len(found)} "
-                         f"{'CPU' if use_cpu else 'GPU'} devices exist: {hint}")
+    check_device_count(num_devices, len(found), "CPU" if use_cpu else "GPU")
     return found[:num_devices] if num_devices else found
 
 
