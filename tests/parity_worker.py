@@ -2,6 +2,7 @@
 
     python -m tests.parity_worker STRATEGY MESH LAYOUT[,LAYOUT...] [STEPS] [dtype=D] [xla=1]
                                   [model=FACTORY image_size=S batch=B] [float64=1] [shard=1]
+                                  [-- STRATEGY MESH LAYOUT... (another job on the same devices)]
 
 With dtype=D both runs compute in D; with xla=1 the parallel run is XLA-compiled and the
 reference is not. With model=FACTORY (e.g. tests.user_models:resnet50) the model is a user's
@@ -13,7 +14,10 @@ the parallel runs shard their optimizer state over `batch` (--shard_optimizer_st
 result also holds the momentum values one device keeps per trainable value it keeps.
 
 A second DTensor mesh over other devices in the same process can hang in collective set-up
-(BUILD_NOTES.md), so tests/test_parity.py starts one process per mesh.
+(BUILD_NOTES.md), so tests/test_parity.py starts one process per mesh; jobs separated by `--`
+must use the same devices (and the same float64 setting: it is the process's Keras default),
+and print a JSON list of their results, in order. TensorFlow's start-up is most of a small
+job's time, so the suite runs each mesh's float32 jobs in one process.
 """
 
 import json
@@ -29,7 +33,27 @@ from tf_multigpu.data import load_source
 from tf_multigpu.training.run import build_run
 
 
-def main(strategy, mesh, layouts, steps="1", *options):
+def main(*argv):
+    jobs, job = [], []
+    for arg in argv:
+        if arg == "--":
+            jobs.append(job)
+            job = []
+        else:
+            job.append(arg)
+    jobs.append(job)
+    if len(jobs) == 1:
+        print(json.dumps(run_job(*jobs[0])))
+        return
+    meshes = {tuple(j[1:2]) for j in jobs}
+    float64 = {"float64=1" in j for j in jobs}
+    if len(meshes) > 1 or len(float64) > 1:
+        sys.exit(f"jobs in one process need one mesh and one float64 setting, not {jobs}")
+    print(json.dumps([run_job(*j) for j in jobs]))
+
+
+def run_job(strategy, mesh, layouts, steps="1", *options):
+    """One job's result (a dict by layout, and the extras its options ask for)."""
     options = dict(option.split("=") for option in options)
     dtype, xla = options.get("dtype", "float32"), options.get("xla") == "1"
     shard = {"shard_optimizer_state": True} if options.get("shard") == "1" else {}
@@ -68,7 +92,7 @@ def main(strategy, mesh, layouts, steps="1", *options):
         _, permuted = one_step("single", DEVICES, source, tf.gather(images, rows), tf.gather(labels, rows),
                                steps=int(steps), dtype=dtype, model=model)
         result["noise_floor"] = max_update_difference(before, permuted, single)
-    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":

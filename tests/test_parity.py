@@ -65,19 +65,56 @@ MESHES = [("model", "batch:1,model:2"), ("model", "batch:1,model:4"), ("hybrid",
           ("hybrid", "batch:2,model:4"), ("hybrid", "batch:4,model:2")]
 
 
-def in_own_process(strategy, mesh, layouts, steps=1, *options):
-    """tests/parity_worker.py's result for one mesh, run in a fresh process."""
-    done = subprocess.run([sys.executable, "-m", "tests.parity_worker", strategy, mesh, layouts, str(steps), *options],
+def _worker(*jobs):
+    """tests/parity_worker.py's results for `jobs` (argument lists on one mesh), run in a fresh
+    process."""
+    args = [arg for job in jobs for arg in ("--", *job)][1:]
+    done = subprocess.run([sys.executable, "-m", "tests.parity_worker", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return results if len(jobs) > 1 else [results]
+
+
+# The float32 small_convnet jobs of test_parity.py and test_precision.py on the two meshes
+# most of them use: each mesh's jobs run in ONE worker process (TensorFlow's start-up, ~6 s,
+# is most of such a job's time), the first time a test asks for one of them. Each job keeps its
+# own one-device reference and assertions; a job not listed here gets a process of its own.
+SHARED_PROCESS_JOBS = {
+    "batch:1,model:2": [
+        ("model", "batch:1,model:2", "filter_split,fc_only,conv_data_fc_model", "1"),
+        ("model", "batch:1,model:2", "filter_split", "1", "dtype=bfloat16"),
+        ("model", "batch:1,model:2", "filter_split", "1", "dtype=float16"),
+        ("model", "batch:1,model:2", "filter_split", "1", "xla=1"),
+    ],
+    "batch:2,model:2": [
+        ("hybrid", "batch:2,model:2", "filter_split,fc_only", "1"),
+        ("hybrid", "batch:2,model:2", "filter_split", "2"),
+        ("hybrid", "batch:2,model:2", "filter_split,fc_only", "2", "shard=1"),
+        ("hybrid", "batch:2,model:2", "filter_split", "1", "dtype=bfloat16"),
+        ("hybrid", "batch:2,model:2", "filter_split", "1", "xla=1"),
+    ],
+}
+_shared_results = {}
+
+
+def parity_result(strategy, mesh, layouts, steps=1, *options):
+    """tests/parity_worker.py's result for one job, from the process its mesh's listed jobs
+    share, or from a process of its own."""
+    job = (strategy, mesh, layouts, str(steps), *options)
+    group = SHARED_PROCESS_JOBS.get(mesh, [])
+    if job not in group:
+        return _worker(job)[0]
+    if mesh not in _shared_results:
+        _shared_results[mesh] = dict(zip(group, _worker(*group)))
+    return _shared_results[mesh][job]
 
 
 @pytest.mark.parametrize("strategy, mesh", MESHES)
 def test_model_and_hybrid_step_equals_one_device(strategy, mesh):
     # conv_data_fc_model splits the batch over `model` (device d gets rows d*G/N..): 1 x N only.
     layouts = "filter_split,fc_only" + (",conv_data_fc_model" if strategy == "model" else "")
-    results = in_own_process(strategy, mesh, layouts)
+    results = parity_result(strategy, mesh, layouts)
     assert list(results) == layouts.split(",")
     for layout, result in results.items():
         assert result["same_initial_weights"], layout
@@ -86,7 +123,7 @@ def test_model_and_hybrid_step_equals_one_device(strategy, mesh):
 
 def test_hybrid_two_steps_with_momentum_match():
     """The optimizer slots stay right under DTensor (stock Keras SGD left weights unchanged)."""
-    result = in_own_process("hybrid", "batch:2,model:2", "filter_split", steps=2)["filter_split"]
+    result = parity_result("hybrid", "batch:2,model:2", "filter_split", steps=2)["filter_split"]
     assert result["max_update_difference"] <= TOLERANCE
 
 
@@ -95,7 +132,7 @@ def test_sharded_optimizer_state_matches_one_device_and_holds_half_the_momentum(
     and a replicated convolution (whose gradient DTensor must not be asked to make sharded),
     and each device keeps about half the momentum values of its weights (biases split on
     `model` have no dimension left to shard)."""
-    result = in_own_process("hybrid", "batch:2,model:2", "filter_split,fc_only", 2, "shard=1")
+    result = parity_result("hybrid", "batch:2,model:2", "filter_split,fc_only", 2, "shard=1")
     for layout in ("filter_split", "fc_only"):
         assert result[layout]["same_initial_weights"], layout
         assert result[layout]["max_update_difference"] <= TOLERANCE, (layout, result)
@@ -126,7 +163,7 @@ USER_MODELS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("model, strategy, mesh, layouts", USER_MODELS)
 def test_keras_applications_step_equals_one_device(model, strategy, mesh, layouts):
-    results = in_own_process(strategy, mesh, layouts, 1, f"model={model}", "image_size=32", "batch=8", "float64=1")
+    results = parity_result(strategy, mesh, layouts, 1, f"model={model}", "image_size=32", "batch=8", "float64=1")
     assert results.pop("noise_floor") < 1e-9   # float64: the reference is reproducible
     for layout, result in results.items():
         assert result["same_initial_weights"], layout

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import run_cli
 from tests.helpers import max_update_difference, one_step
 from tests.test_parity import TOLERANCE as FLOAT32_TOLERANCE
-from tests.test_parity import in_own_process
+from tests.test_parity import parity_result
 from tf_multigpu.data import load_source
 
 # Mixed precision computes in 16 bits; weights, gradients' all-reduce and updates are float32.
@@ -46,7 +46,7 @@ def test_mixed_precision_data_parallel_step_equals_one_device(dtype, digits_batc
     ("model", "batch:1,model:2", "bfloat16"), ("hybrid", "batch:2,model:2", "bfloat16"),
     ("model", "batch:1,model:2", "float16")])
 def test_mixed_precision_model_and_hybrid_step_equals_one_device(strategy, mesh, dtype):
-    result = in_own_process(strategy, mesh, "filter_split", 1, f"dtype={dtype}")["filter_split"]
+    result = parity_result(strategy, mesh, "filter_split", 1, f"dtype={dtype}")["filter_split"]
     assert result["same_initial_weights"]
     assert result["max_update_difference"] < TOLERANCE[dtype], result
 
@@ -70,7 +70,7 @@ def test_xla_data_parallel_step_equals_one_device(digits_batch, devices):
 
 @pytest.mark.parametrize("strategy, mesh", [("model", "batch:1,model:2"), ("hybrid", "batch:2,model:2")])
 def test_xla_model_and_hybrid_step_equals_one_device(strategy, mesh):
-    result = in_own_process(strategy, mesh, "filter_split", 1, "xla=1")["filter_split"]
+    result = parity_result(strategy, mesh, "filter_split", 1, "xla=1")["filter_split"]
     assert result["max_update_difference"] <= FLOAT32_TOLERANCE, result
 
 
