@@ -1,11 +1,11 @@
 """tf-multigpu-train: the command-line entry point (also `python -m tf_multigpu.train`).
 
 Intentionally short: parse flags, build one validated config, find the cluster (if any) and
-check what the flags alone decide (`check_before_start`: a mistyped mesh costs a fraction of a
-second, not TensorFlow's start-up), start TensorFlow quietly (`cli.start_tensorflow`), configure the
-devices or start the multi-worker runtime (before TensorFlow initialises), resolve
---strategy=auto with the planner, and call the training loop (which checks the plan against
-the devices: config/plan_checks.py). Bad input prints one line and exits 2; a SIGTERM stops
+check what the flags alone decide (`check_dataset_flags`, `check_before_start`: a mistyped mesh
+or data set costs a fraction of a second, not TensorFlow's start-up), start TensorFlow quietly
+(`cli.start_tensorflow`), configure the devices or start the multi-worker runtime (before
+TensorFlow initialises), resolve --strategy=auto with the planner, and call the training loop
+(which checks the plan against the devices: config/plan_checks.py). Bad input prints one line and exits 2; a SIGTERM stops
 after a checkpoint with status 143; a lost worker is one line and status 1.
 """
 
@@ -18,6 +18,7 @@ from tf_multigpu.cli import DOES_NOT_FIT
 from tf_multigpu.config import check_before_start
 from tf_multigpu.config import flags as run_flags
 from tf_multigpu.config.workload_flags import WORKLOAD_FLAGS
+from tf_multigpu.data import check_dataset_flags
 from tf_multigpu.errors import DoesNotFit, UsageError
 
 PEER_LOST = 1
@@ -31,7 +32,9 @@ def main(argv):
         cfg = run_flags.config_from_flags()
         from tf_multigpu.parallel import cluster as clusters  # pure Python (Slurm's resolver starts TensorFlow)
         cluster = clusters.resolve_cluster(cfg.worker_hosts, cfg.task_index)
-        check_before_start(cfg, cluster)   # before TensorFlow starts, and before a worker waits for its peers
+        # before TensorFlow starts, and before a worker waits for its peers
+        check_dataset_flags(cfg.dataset, cfg.image_size, cfg.augment, cfg.test_fraction, cfg.skip_bad_images)
+        check_before_start(cfg, cluster)
         cli.start_tensorflow()   # quietly, before anything below imports it
         if cfg.profile_steps and cfg.strategy in ("model", "hybrid"):
             # Before TensorFlow runs anything: the report reads DTensor's lowered step graph.

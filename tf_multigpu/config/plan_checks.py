@@ -13,9 +13,9 @@ of which kind) or the cluster (how many workers) is checked here, with the fix i
 - `check_before_start(cfg, cluster)`: what the flags alone decide, for the entry point to
   call before TensorFlow starts (several seconds on a CPU machine, most of a failed
   command's time): the cluster's rules and, where --cpu_devices names the devices, the whole
-  plan. What needs the runtime (GPUs, the model, the data set) is checked after, and so is
-  the run directory: an unknown --model names the mistake better than "holds a run with other
-  settings" does.
+  plan. What needs the runtime (GPUs, the model, the data set's files) is checked after, and
+  so is the run directory: an unknown --model names the mistake better than "holds a run
+  with other settings" does.
 
 Pure Python, like the rest of config/: the mesh rules read `parallel/mesh_spec.py`.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 from tf_multigpu.config.config import Config
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL
-from tf_multigpu.parallel.mesh_spec import mesh_for, replicas_for
+from tf_multigpu.parallel.mesh_spec import check_device_count, mesh_for, replicas_for
 
 GPU_ALL_REDUCE = ("nccl", "hierarchical_copy")   # --all_reduce values that need GPUs
 
@@ -52,21 +52,13 @@ def check_cluster(cfg: Config, cluster=None) -> None:
 def check_before_start(cfg: Config, cluster=None) -> None:
     """The rules the flags decide without TensorFlow: `check_cluster` and, for one process
     on --cpu_devices logical CPUs (their number is the flag's, not the runtime's),
-    `check_plan` on those devices. --strategy=auto is checked once the planner
-    has resolved it."""
+    `check_plan` on those devices. --strategy=auto is checked once the planner has resolved
+    it. (The entry point checks the --dataset flags beside it: `data.check_dataset_flags`.)"""
     check_cluster(cfg, cluster)
     if cluster is None and cfg.cpu_devices and cfg.strategy != "auto":
         used = 1 if cfg.strategy == "single" else cfg.num_devices or cfg.cpu_devices
         check_device_count(used, cfg.cpu_devices, "CPU")
         check_plan(cfg, [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(used)])
-
-
-def check_device_count(wanted: int, found: int, kind: str) -> None:
-    """--num_devices must not ask for more devices of `kind` (CPU, GPU) than exist."""
-    if wanted > found:
-        hint = (f"use --cpu_devices>={wanted}" if kind == "CPU" else
-                f"use --num_devices<={found}, or --cpu_devices={wanted} to test on logical CPUs")
-        raise UsageError(f"--num_devices={wanted} but only {found} {kind} devices exist: {hint}")
 
 
 def check_plan(cfg: Config, devices, cluster=None) -> None:

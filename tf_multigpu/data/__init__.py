@@ -3,12 +3,21 @@
 `load_source(name, data_dir, image_size, ...)` resolves `digits`, `synthetic`, `tfds:NAME` or
 `folder:PATH`;
 `pipeline` turns a source into seeded, resumable, per-replica batches.
+
+Importing this package does not import TensorFlow (`check_dataset_flags` runs before the
+entry point starts it); `ImageSource` and the loaders load on first use.
 """
 
-import dataclasses
+from __future__ import annotations
 
-from tf_multigpu.data.source import ImageSource
+import dataclasses
+import os
+from typing import TYPE_CHECKING
+
 from tf_multigpu.errors import UsageError
+
+if TYPE_CHECKING:
+    from tf_multigpu.data.source import ImageSource
 
 NAMES = ("digits", "synthetic", "tfds:NAME", "folder:PATH")
 
@@ -24,15 +33,29 @@ def load_source(name: str, data_dir=None, image_size: int = 0, *, augment: str =
     return dataclasses.replace(source, input_threads=input_threads) if input_threads else source
 
 
-def _load(name, data_dir, image_size, augment, test_fraction, skip_bad_images):
+def check_dataset_flags(name: str, image_size: int = 0, augment: str = "auto", test_fraction=None,
+                        skip_bad_images: bool = False) -> None:
+    """The --dataset rules the flags alone decide (a known name, options that apply to it, a
+    folder that exists), without TensorFlow: the loaders and the entry point's pre-start
+    check (config/plan_checks.py) share them."""
     folder = name.startswith("folder:") and len(name) > 7
     if not folder and (test_fraction is not None or skip_bad_images):
         raise UsageError(f"--test_fraction and --skip_bad_images apply to --dataset=folder:PATH, not {name}: drop them")
     if augment == "paper" and not (folder or name.startswith("tfds:")):
         raise UsageError(f"--augment=paper applies to photos (--dataset=folder:PATH or tfds:NAME), not {name}")
+    if name == "digits" and image_size:
+        raise UsageError("--image_size does not apply to --dataset=digits (8x8 images): drop it")
+    if folder and not os.path.isdir(name[7:]):
+        raise UsageError(f"--dataset={name}: no such directory: give a folder holding one subfolder of images "
+                         "per class")
+    if not (folder or name in ("digits", "synthetic") or name.startswith("tfds:") and len(name) > 5):
+        raise UsageError(f"unknown --dataset={name!r}: choose one of {', '.join(NAMES)}")
+
+
+def _load(name, data_dir, image_size, augment, test_fraction, skip_bad_images):
+    check_dataset_flags(name, image_size, augment, test_fraction, skip_bad_images)
+    folder = name.startswith("folder:")
     if name == "digits":
-        if image_size:
-            raise UsageError("--image_size does not apply to --dataset=digits (8x8 images): drop it")
         from tf_multigpu.data.digits import load_digits_source
         return load_digits_source()
     if name == "synthetic":
@@ -44,7 +67,14 @@ def _load(name, data_dir, image_size, augment, test_fraction, skip_bad_images):
     if folder:
         from tf_multigpu.data.folder import load_folder_source
         return load_folder_source(name[7:], image_size, augment, test_fraction, skip_bad_images)
-    raise UsageError(f"unknown --dataset={name!r}: choose one of {', '.join(NAMES)}")
+    raise AssertionError(f"check_dataset_flags let --dataset={name!r} through")
 
 
-__all__ = ["ImageSource", "load_source", "NAMES"]
+def __getattr__(name: str):
+    if name == "ImageSource":   # imports TensorFlow
+        from tf_multigpu.data.source import ImageSource
+        return ImageSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ImageSource", "check_dataset_flags", "load_source", "NAMES"]

@@ -41,9 +41,7 @@ _IMAGENET_CLASS = re.compile(r"n\d{8}")   # WordNet ids, ImageNet's folder names
 def load_folder_source(path: str, image_size: int = 0, augment: str = "auto", test_fraction=None,
                        skip_bad_images: bool = False) -> ImageSource:
     """The ImageSource of the image folder at `path`; UsageError (one line) for bad layouts."""
-    flag = f"--dataset=folder:{path}"
-    if not os.path.isdir(path):
-        raise UsageError(f"{flag}: no such directory: give a folder holding one subfolder of images per class")
+    flag = f"--dataset=folder:{path}"   # that it is a directory: check_dataset_flags (data/__init__.py)
     train_dir = os.path.join(path, "train")
     test_dir = None
     if os.path.isdir(train_dir):

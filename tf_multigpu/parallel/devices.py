@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_multigpu.config.plan_checks import check_device_count
 from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.mesh_spec import check_device_count
 
 DEFAULT_CPU_DEVICES = 2
 

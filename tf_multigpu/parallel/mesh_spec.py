@@ -1,8 +1,9 @@
 """The device mesh as data: `--mesh=batch:B,model:M` parsed, and the mesh each strategy runs on.
 
 Pure Python (no TensorFlow), so the config can parse --mesh while it is built, before
-TensorFlow starts. The mesh has two axes: `batch` (B data-parallel groups) and `model` (the M
-devices that share each split layer); a shape is the dict {"batch": B, "model": M}.
+TensorFlow starts (and check a --num_devices against --cpu_devices: `check_device_count`).
+The mesh has two axes: `batch` (B data-parallel groups) and `model` (the M devices that share
+each split layer); a shape is the dict {"batch": B, "model": M}.
 `dtensor_mesh.py` builds the DTensor mesh of that shape.
 """
 
@@ -45,3 +46,11 @@ def replicas_for(strategy: str, num_devices: int, mesh_shape: dict | None = None
 def mesh_flag(mesh_shape: dict) -> str:
     """{"batch": B, "model": M} -> the --mesh value `batch:B,model:M`."""
     return f"batch:{mesh_shape['batch']},model:{mesh_shape['model']}"
+
+
+def check_device_count(wanted: int, found: int, kind: str) -> None:
+    """--num_devices must not ask for more devices of `kind` (CPU, GPU) than exist."""
+    if wanted > found:
+        hint = (f"use --cpu_devices>={wanted}" if kind == "CPU" else
+                f"use --num_devices<={found}, or --cpu_devices={wanted} to test on logical CPUs")
+        raise UsageError(f"--num_devices={wanted} but only {found} {kind} devices exist: {hint}")
