@@ -5,8 +5,9 @@ check what the flags alone decide (`check_dataset_flags`, `check_before_start`: 
 or data set costs a fraction of a second, not TensorFlow's start-up), start TensorFlow quietly
 (`cli.start_tensorflow`), configure the devices or start the multi-worker runtime (before
 TensorFlow initialises), resolve --strategy=auto with the planner, and call the training loop
-(which checks the plan against the devices: config/plan_checks.py). Bad input prints one line and exits 2; a SIGTERM stops
-after a checkpoint with status 143; a lost worker is one line and status 1.
+(which checks the plan against the devices: config/plan_checks.py). Bad input prints one line
+and exits 2; a SIGTERM stops after a checkpoint with status 143; a lost worker is one line and
+status 1.
 """
 
 import json
