@@ -36,8 +36,8 @@ def load_source(name: str, data_dir=None, image_size: int = 0, *, augment: str =
 def check_dataset_flags(name: str, image_size: int = 0, augment: str = "auto", test_fraction=None,
                         skip_bad_images: bool = False) -> None:
     """The --dataset rules the flags alone decide (a known name, options that apply to it, a
-    folder that exists), without TensorFlow: the loaders and the entry point's pre-start
-    check (config/plan_checks.py) share them."""
+    folder that exists), without TensorFlow: the loaders and the entry point (train.py, before
+    it starts TensorFlow) share them."""
     folder = name.startswith("folder:") and len(name) > 7
     if not folder and (test_fraction is not None or skip_bad_images):
         raise UsageError(f"--test_fraction and --skip_bad_images apply to --dataset=folder:PATH, not {name}: drop them")
