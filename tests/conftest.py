@@ -59,3 +59,29 @@ def default_run(tmp_path_factory):
     done = run_cli(f"--run_dir={run_dir}", timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def profiled_runs(tmp_path_factory):
+    """small_convnet on digits, global batch 64, 5 steps, steps 3-4 profiled (`--profile_steps`),
+    under each strategy the communication tests check, and data x2 once unprofiled: name -> run
+    directory. test_profiling checks their reports against the model, test_planner the bytes
+    against the planner's prediction; one run each serves both."""
+    root = tmp_path_factory.mktemp("profiled")
+
+    def train(name, *flags):
+        run_dir = str(root / name)
+        done = run_cli(f"--run_dir={run_dir}", "--batch_size=64", "--steps=5", "--log_every=5", "--noexport", *flags)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return run_dir
+
+    profile = "--profile_steps=3,4"
+    return {
+        "data2": train("data2", "--strategy=data", "--cpu_devices=2", profile),
+        "data4": train("data4", "--strategy=data", "--cpu_devices=4", profile),
+        "model2": train("model2", "--strategy=model", "--cpu_devices=2", profile),
+        "hybrid4": train("hybrid4", "--strategy=hybrid", "--cpu_devices=4", "--mesh=batch:2,model:2", profile),
+        "trick4": train("trick4", "--strategy=model", "--layout=conv_data_fc_model", "--cpu_devices=4", profile),
+        "single": train("single", "--strategy=single", profile),
+        "data2_plain": train("data2_plain", "--strategy=data", "--cpu_devices=2"),
+    }

@@ -22,30 +22,14 @@ SMALL_CONVNET_PARAMS = 226_570
 # conv1 (8x8x32), pool2 (4x4x64), pool3 (2x2x128) and fc1 (256) floats per example.
 SPLIT_OUTPUT_FLOATS = 8 * 8 * 32 + 4 * 4 * 64 + 2 * 2 * 128 + 256 + 10   # ... and the logits, for the accuracy
 CONV_PARAMS = (3 * 3 * 1 * 32 + 32) + (3 * 3 * 32 * 64 + 64) + (3 * 3 * 64 * 128 + 128)
-BATCH = 64
+BATCH = 64   # conftest.profiled_runs'
 
 pytestmark = pytest.mark.slow
 
 
-def _train(run_dir, *flags):
-    done = run_cli(f"--run_dir={run_dir}", f"--batch_size={BATCH}", "--steps=5", "--log_every=5", *flags)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run_dir
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("profiled")
-    profile = "--profile_steps=3,4"
-    return {
-        "data2": _train(root / "data2", "--strategy=data", "--cpu_devices=2", profile),
-        "data4": _train(root / "data4", "--strategy=data", "--cpu_devices=4", profile),
-        "model2": _train(root / "model2", "--strategy=model", "--cpu_devices=2", profile),
-        "trick4": _train(root / "trick4", "--strategy=model", "--layout=conv_data_fc_model", "--cpu_devices=4",
-                         profile),
-        "single": _train(root / "single", "--strategy=single", profile),
-        "data2_plain": _train(root / "data2_plain", "--strategy=data", "--cpu_devices=2"),
-    }
+@pytest.fixture
+def runs(profiled_runs):
+    return profiled_runs
 
 
 def _report(run_dir):

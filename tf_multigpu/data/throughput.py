@@ -9,6 +9,7 @@ and the log says so once. tools/input_throughput.py makes the same comparison pe
 
 from __future__ import annotations
 
+import functools
 import time
 
 import tensorflow as tf
@@ -34,12 +35,22 @@ def images_per_sec(dataset: tf.data.Dataset, *, warmup: int = 2, min_batches: in
 
 class InputCheck:
     """Measures the pipeline once (`dataset_fn()`: this process's training batches), then
-    `verdict(examples_per_sec)` returns one line if training consumes nearly all it makes."""
+    `verdict(examples_per_sec)` returns one line if training consumes nearly all it makes.
+
+    The pipeline is timed when the first verdict is asked for, between two training windows
+    (the training's own input then waits with its buffers full), not when the check is made:
+    a run that ends within its first window (--steps=0, a resumed run that is done, a short
+    profiled run) gets no verdict, and so spends no second or two timing its input."""
 
     def __init__(self, dataset_fn, share: float = 1.0):
-        self.rate = images_per_sec(dataset_fn())
+        self.dataset_fn = dataset_fn
         self.share = share      # of the global batch this process reads (one worker of n: 1/n)
         self.said = False
+
+    @functools.cached_property
+    def rate(self) -> float:
+        """Images/s the pipeline makes alone (timed on first use)."""
+        return images_per_sec(self.dataset_fn())
 
     def verdict(self, examples_per_sec: float) -> str | None:
         """The log line, the first time training is found input-bound; None otherwise."""

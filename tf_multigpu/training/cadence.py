@@ -124,7 +124,7 @@ class RecordTraining(Action):
     def __init__(self, run, writer, results: Results):
         self.run, self.writer, self.results = run, writer, results
         self.every = run.cfg.log_every   # windows end at least this often
-        # This process's rows, timed alone, once.
+        # This process's rows, timed alone, once, when a window after the warm-up asks.
         self.input_check = InputCheck(run.local_batches, share=1 / run.par.input_shard[1])
 
     def due(self, step, last):
