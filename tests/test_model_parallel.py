@@ -150,7 +150,7 @@ def test_bad_meshes_and_layouts_exit_2(tmp_path, flags, needle):
 @pytest.mark.slow
 def test_checkpoint_from_2x2_resumes_on_1x4_and_on_one_device(tmp_path):
     # The default run, dropout included: its masks do not depend on the mesh (StatelessDropout).
-    common = ["--steps=8", "--checkpoint_every=4", "--batch_size=32", "--seed=2"]
+    common = ["--steps=8", "--checkpoint_every=4", "--batch_size=32", "--seed=2", "--noexport"]
     whole = str(tmp_path / "whole")
     assert run_cli(f"--run_dir={whole}", "--strategy=hybrid", "--cpu_devices=4", *common).returncode == 0
     for name, flags in [("mesh1x4", ["--strategy=model", "--cpu_devices=4"]), ("single", ["--strategy=single"])]:
@@ -196,7 +196,7 @@ def test_conv_data_fc_model_trains_like_data_parallelism(tmp_path):
     """From the command line, 12 steps and an evaluation on 4 devices: the same weights and
     test loss as data parallelism (same batches, same update; sums in another order)."""
     common = ["--cpu_devices=4", "--steps=12", "--log_every=4", "--batch_size=32", "--learning_rate=0.2",
-              "--lr_schedule=constant"]
+              "--lr_schedule=constant", "--noexport"]
     results = {}
     for name, flags in [("data", ["--strategy=data"]),
                         ("trick", ["--strategy=model", "--layout=conv_data_fc_model"])]:

@@ -88,7 +88,8 @@ def _assert_same_weights(run_a, run_b, rtol=1e-5):
 def one_process(tmp_path_factory):
     """The reference: one process, 4 logical devices, data parallel."""
     run_dir = str(tmp_path_factory.mktemp("mw") / "one")
-    done = run_cli(f"--run_dir={run_dir}", "--strategy=data", "--cpu_devices=4", *COMMON, timeout=RUN_TIMEOUT)
+    done = run_cli(f"--run_dir={run_dir}", "--strategy=data", "--cpu_devices=4", *COMMON, "--noexport",
+                   timeout=RUN_TIMEOUT)
     assert done.returncode == 0, done.stderr[-2000:]
     return run_dir
 
@@ -167,7 +168,7 @@ def test_two_workers_data_parallel_match_one_process(one_process, tmp_path):
 def test_two_clients_hybrid_mesh_match_one_process(tmp_path):
     flags = ["--strategy=hybrid", "--mesh=batch:2,model:2", f"--steps={STEPS // 4}"]
     one = str(tmp_path / "one")
-    done = run_cli(f"--run_dir={one}", "--cpu_devices=4", *COMMON, *flags, timeout=RUN_TIMEOUT)
+    done = run_cli(f"--run_dir={one}", "--cpu_devices=4", *COMMON, *flags, "--noexport", timeout=RUN_TIMEOUT)
     assert done.returncode == 0, done.stderr[-2000:]
     two = str(tmp_path / "two")
     done = _launch(two, ["--cpu_devices=2", *flags], via="flags")

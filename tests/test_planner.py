@@ -354,7 +354,8 @@ def test_auto_is_a_strategy_that_takes_no_mesh_or_layout():
 @pytest.mark.slow
 def test_strategy_auto_trains_the_top_plan_and_records_prediction_and_measurement(tmp_path):
     run_dir = str(tmp_path / "auto")
-    done = run_cli(f"--run_dir={run_dir}", "--strategy=auto", "--cpu_devices=2", "--steps=6", "--log_every=2")
+    done = run_cli(f"--run_dir={run_dir}", "--strategy=auto", "--cpu_devices=2", "--steps=6", "--log_every=2",
+                   "--noexport")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "--strategy=auto chose" in done.stdout
     summary = _read_json(run_dir, "summary.json")

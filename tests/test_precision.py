@@ -83,7 +83,7 @@ def test_bfloat16_and_xla_train_digits_to_the_float32_accuracy(tmp_path, default
         "float32", False, "data", 2)
     accuracy = {"float32": summary["test_accuracy"]}
     for name, flags in [("bfloat16", ["--dtype=bfloat16"]), ("xla", ["--xla"])]:
-        done = run_cli(f"--run_dir={tmp_path / name}", "--cpu_devices=2", *flags, timeout=600)
+        done = run_cli(f"--run_dir={tmp_path / name}", "--cpu_devices=2", *flags, "--noexport", timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         accuracy[name] = json.loads(done.stdout.strip().splitlines()[-1])["test_accuracy"]
     assert accuracy["float32"] >= 0.97, accuracy
