@@ -13,6 +13,7 @@ import json
 from absl import flags
 
 from tf_multigpu import cli
+from tf_multigpu.config import check_exportable_run
 from tf_multigpu.errors import UsageError
 
 PROG = "tf-multigpu-export"
@@ -33,6 +34,7 @@ def main(argv):
     if not FLAGS.run_dir:
         _fail("--run_dir is required: give the --run_dir of a training run")
     try:
+        check_exportable_run(FLAGS.run_dir, FLAGS.checkpoint)   # what the files decide, before TensorFlow starts
         cli.start_tensorflow()
         from tf_multigpu.export import export_from_checkpoint  # imports TensorFlow
         result = export_from_checkpoint(FLAGS.run_dir, FLAGS.checkpoint, FLAGS.export_dir, FLAGS.evaluate)

@@ -1,9 +1,17 @@
 """Run configuration: flag definitions, the frozen, validated Config built from them, and the
 rules a config must meet on its devices and cluster (`check_plan`)."""
 
-from tf_multigpu.config.config import RESULT_FIELDS, Config, check_resumable, load_config
+from tf_multigpu.config.config import (
+    RESULT_FIELDS,
+    Config,
+    check_exportable_run,
+    check_resumable,
+    load_config,
+    load_run_config,
+    no_checkpoint,
+)
 from tf_multigpu.config.plan_checks import check_before_start, check_cluster, check_plan
 from tf_multigpu.config.run_paths import RunPaths
 
 __all__ = ["Config", "RESULT_FIELDS", "RunPaths", "check_before_start", "check_cluster", "check_plan",
-           "check_resumable", "load_config"]
+           "check_exportable_run", "check_resumable", "load_config", "load_run_config", "no_checkpoint"]

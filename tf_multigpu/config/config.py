@@ -14,9 +14,11 @@ TensorFlow quietly): the parsers it uses from `parallel/` are pure Python.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 
+from tf_multigpu.config.run_paths import RunPaths
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import POLICIES, parse_rules
 from tf_multigpu.parallel.mesh_spec import parse_mesh
@@ -218,6 +220,38 @@ def load_config(path: str) -> Config:
         values = json.load(f)
     known = set(flag_names())
     return Config(**{k: v for k, v in values.items() if k in known})
+
+
+def load_run_config(run_dir: str) -> Config:
+    """The config.json of the run in `run_dir`; UsageError naming the fix when the directory is
+    not a training run's."""
+    if not os.path.isdir(run_dir):
+        raise UsageError(f"--run_dir={run_dir} is not a directory: give the --run_dir of a training run")
+    path = RunPaths(run_dir).config
+    if not os.path.exists(path):
+        raise UsageError(f"--run_dir={run_dir} has no config.json: give the --run_dir of a training run")
+    try:
+        return load_config(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise UsageError(f"{path} is unreadable ({str(e).splitlines()[0][:200]}): "
+                         "give the --run_dir of a training run") from None
+
+
+def no_checkpoint(run_dir: str) -> UsageError:
+    """The error for a run directory that holds no checkpoint to export."""
+    return UsageError(f"--run_dir={run_dir} has no checkpoint in checkpoints/: train it first "
+                      f"(tf-multigpu-train --run_dir={run_dir}) or pass --checkpoint=PATH")
+
+
+def check_exportable_run(run_dir: str, checkpoint: str | None = None) -> Config:
+    """What the run directory's files alone decide about exporting it, checked before
+    TensorFlow starts (a tenth of a second, not six): a training run's config.json, and
+    without --checkpoint, at least one checkpoint's index file. Returns the run's Config.
+    (Whether the latest checkpoint is readable needs TensorFlow: export/from_checkpoint.py.)"""
+    cfg = load_run_config(run_dir)
+    if checkpoint is None and not glob.glob(os.path.join(RunPaths(run_dir).checkpoints, "*.index")):
+        raise no_checkpoint(run_dir)
+    return cfg
 
 
 def check_resumable(previous: Config, current: Config) -> None:

@@ -18,7 +18,7 @@ import re
 import keras
 import tensorflow as tf
 
-from tf_multigpu.config import RunPaths, load_config
+from tf_multigpu.config import RunPaths, check_exportable_run, no_checkpoint
 from tf_multigpu.data import load_source
 from tf_multigpu.data.source import ImageSource
 from tf_multigpu.errors import UsageError
@@ -33,7 +33,7 @@ def export_from_checkpoint(run_dir: str, checkpoint: str | None = None, export_d
                            evaluate: bool = True) -> dict:
     """Exports a checkpoint of the run in `run_dir` (default: its latest) to `export_dir`
     (default: RUN_DIR/export); returns the metadata written, with `export_dir` added."""
-    cfg = _load_run_config(run_dir)
+    cfg = check_exportable_run(run_dir, checkpoint)
     checkpoint = find_checkpoint(run_dir, checkpoint)
     export_dir = os.path.abspath(export_dir or RunPaths(run_dir).export)
     check_export_dir(export_dir)   # before the (possibly long) build and evaluation
@@ -58,8 +58,7 @@ def find_checkpoint(run_dir: str, checkpoint: str | None = None) -> str:
     if checkpoint is None:
         found = tf.train.latest_checkpoint(RunPaths(run_dir).checkpoints)
         if not found:
-            raise UsageError(f"--run_dir={run_dir} has no checkpoint in checkpoints/: train it first "
-                             f"(tf-multigpu-train --run_dir={run_dir}) or pass --checkpoint=PATH")
+            raise no_checkpoint(run_dir)
         return found
     if os.path.isdir(checkpoint):
         found = tf.train.latest_checkpoint(checkpoint)
@@ -120,17 +119,3 @@ def evaluate_model(model: keras.Model, source: ImageSource) -> dict:
     if not count:
         return {}
     return {"test_loss": loss_sum / count, "test_accuracy": correct / count}
-
-
-def _load_run_config(run_dir: str):
-    """The run's config.json; UsageError naming the fix when the run directory is not a run."""
-    if not os.path.isdir(run_dir):
-        raise UsageError(f"--run_dir={run_dir} is not a directory: give the --run_dir of a training run")
-    path = RunPaths(run_dir).config
-    if not os.path.exists(path):
-        raise UsageError(f"--run_dir={run_dir} has no config.json: give the --run_dir of a training run")
-    try:
-        return load_config(path)
-    except (OSError, ValueError, TypeError) as e:
-        raise UsageError(f"{path} is unreadable ({str(e).splitlines()[0][:200]}): "
-                         "give the --run_dir of a training run") from None
