@@ -109,3 +109,24 @@ def serve_digits(exports):
                           cwd=REPO, timeout=200)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_RUN_AND_REPORT = """
+import importlib, sys
+module = importlib.import_module(sys.argv[1])
+sys.argv = sys.argv[2:]
+try:
+    module.run()
+except SystemExit as e:
+    print(e.code, "tensorflow" in sys.modules)
+"""
+
+
+def exit_before_tensorflow(module, prog, *args):
+    """Runs the command `prog ARGS` (entry point `module.run()`) in a fresh process until it
+    exits: (exit status, whether TensorFlow was imported by then, its last stderr line)."""
+    from tests.conftest import REPO
+    done = subprocess.run([sys.executable, "-c", _RUN_AND_REPORT, module, prog, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    status, imported = done.stdout.split()
+    return int(status), imported == "True", done.stderr.strip().splitlines()[-1]

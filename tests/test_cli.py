@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, run_cli
-from tests.helpers import serve_digits
+from tests.helpers import exit_before_tensorflow, serve_digits
 
 USAGE_ERROR = 2
 
@@ -143,17 +143,6 @@ def test_a_usage_error_prints_exactly_one_line_tensorflow_start_up_included(tmp_
         "or package.module:function"], done.stderr
 
 
-_RUN_AND_REPORT = """
-import sys
-from tf_multigpu import train
-sys.argv[0] = "tf-multigpu-train"
-try:
-    train.run()
-except SystemExit as e:
-    print(e.code, "tensorflow" in sys.modules)
-"""
-
-
 @pytest.mark.parametrize("flags, message", [
     (["--batch_size=7", "--cpu_devices=2"], "does not divide by the 2 replicas"),
     (["--strategy=hybrid", "--cpu_devices=4", "--mesh=batch:4,model:1"], "needs both mesh axes > 1"),
@@ -163,7 +152,7 @@ except SystemExit as e:
 def test_what_the_flags_decide_is_refused_before_tensorflow_starts(tmp_path, flags, message):
     """The plan on --cpu_devices devices and the cluster are checked before TensorFlow is
     imported: a mistyped mesh costs a fraction of a second, not the runtime's start-up."""
-    done = subprocess.run([sys.executable, "-c", _RUN_AND_REPORT, f"--run_dir={tmp_path / 'X'}", *flags],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr[-2000:])
-    assert message in done.stderr.strip().splitlines()[-1]
+    status, imported, line = exit_before_tensorflow("tf_multigpu.train", "tf-multigpu-train",
+                                                    f"--run_dir={tmp_path / 'X'}", *flags)
+    assert (status, imported) == (USAGE_ERROR, False), line
+    assert line.startswith("tf-multigpu-train: error: ") and message in line, line

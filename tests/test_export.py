@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import DEVICES, REPO
+from tests.helpers import exit_before_tensorflow
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.errors import UsageError
@@ -233,27 +234,15 @@ def test_bad_command_line_is_one_line_exit_2(args, needle):
     assert needle in _one_error_line(_export_cli(*args))
 
 
-_EXPORT_AND_REPORT = """
-import sys
-from tf_multigpu import export_main
-sys.argv[0] = "tf-multigpu-export"
-try:
-    export_main.run()
-except SystemExit as e:
-    print(e.code, "tensorflow" in sys.modules)
-"""
-
-
 def test_run_without_checkpoints_is_one_line_exit_2_before_tensorflow_starts(tmp_path):
     """What the run directory's files decide is refused before TensorFlow is imported."""
     Config(run_dir=str(tmp_path)).write(str(tmp_path / "config.json"))
     for run_dir, needle in [(tmp_path, "has no checkpoint in checkpoints/: train it first"),
                             (tmp_path / "nonexistent", "is not a directory")]:
-        done = subprocess.run([sys.executable, "-c", _EXPORT_AND_REPORT, f"--run_dir={run_dir}"], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
-        assert done.stdout.split() == [str(USAGE_ERROR), "False"], (done.stdout, done.stderr[-2000:])
-        assert done.stderr.strip().splitlines()[-1].startswith("tf-multigpu-export: error: ")
-        assert needle in done.stderr.strip().splitlines()[-1]
+        status, imported, line = exit_before_tensorflow("tf_multigpu.export_main", "tf-multigpu-export",
+                                                        f"--run_dir={run_dir}")
+        assert (status, imported) == (USAGE_ERROR, False), line
+        assert line.startswith("tf-multigpu-export: error: ") and needle in line, line
     assert os.listdir(tmp_path) == ["config.json"]
 
 

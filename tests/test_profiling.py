@@ -22,14 +22,9 @@ SMALL_CONVNET_PARAMS = 226_570
 # conv1 (8x8x32), pool2 (4x4x64), pool3 (2x2x128) and fc1 (256) floats per example.
 SPLIT_OUTPUT_FLOATS = 8 * 8 * 32 + 4 * 4 * 64 + 2 * 2 * 128 + 256 + 10   # ... and the logits, for the accuracy
 CONV_PARAMS = (3 * 3 * 1 * 32 + 32) + (3 * 3 * 32 * 64 + 64) + (3 * 3 * 64 * 128 + 128)
-BATCH = 64   # conftest.profiled_runs'
+BATCH = 64   # the global batch of conftest.profiled_runs
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def runs(profiled_runs):
-    return profiled_runs
 
 
 def _report(run_dir):
@@ -38,8 +33,8 @@ def _report(run_dir):
 
 
 @pytest.mark.parametrize("name, devices", [("data2", 2), ("data4", 4)])
-def test_data_parallel_report_counts_the_gradient_all_reduce(runs, name, devices):
-    report = _report(runs[name])
+def test_data_parallel_report_counts_the_gradient_all_reduce(profiled_runs, name, devices):
+    report = _report(profiled_runs[name])
     assert [s["step"] for s in report["steps"]] == [3, 4]
     assert all(s["collective_events"] > 0 and s["communication_ms"] > 0 for s in report["steps"])
     assert all(abs(s["compute_ms"] + s["communication_ms"] - s["step_ms"]) < 1e-6 for s in report["steps"])
@@ -51,10 +46,10 @@ def test_data_parallel_report_counts_the_gradient_all_reduce(runs, name, devices
     assert report["bytes_per_device"]["activations"]["moved_bytes"] == 0
 
 
-def test_trace_holds_named_gradient_all_reduces_and_steps(runs):
+def test_trace_holds_named_gradient_all_reduces_and_steps(profiled_runs):
     """The trace is the profiler's own XSpace, with step markers and the all-reduce under
     allreduce/gradients; TensorBoard gets the report's scalars."""
-    trace = xspace.latest_trace(os.path.join(runs["data2"], "tensorboard"))
+    trace = xspace.latest_trace(os.path.join(profiled_runs["data2"], "tensorboard"))
     from tf_multigpu.compat import xplane_pb2
     space = xplane_pb2().XSpace()
     space.ParseFromString(open(trace, "rb").read())
@@ -62,14 +57,14 @@ def test_trace_holds_named_gradient_all_reduces_and_steps(runs):
     assert "train" in names
     assert any("allreduce/gradients" in n and n.endswith(":CollectiveReduceV2") for n in names), sorted(names)[:50]
     tags = set()
-    for path in glob.glob(os.path.join(runs["data2"], "tensorboard", "events.out.tfevents.*")):
+    for path in glob.glob(os.path.join(profiled_runs["data2"], "tensorboard", "events.out.tfevents.*")):
         for event in tf.compat.v1.train.summary_iterator(path):
             tags.update(v.tag for v in event.summary.value)
     assert {"communication/communication_ms", "communication/gradients_moved_bytes_per_device"} <= tags
 
 
-def test_model_parallel_report_counts_the_split_layers_activations(runs):
-    report = _report(runs["model2"])
+def test_model_parallel_report_counts_the_split_layers_activations(profiled_runs):
+    report = _report(profiled_runs["model2"])
     gathers = report["forward_activation_gathers"]
     assert gathers["analytic_payload_bytes"] == BATCH * SPLIT_OUTPUT_FLOATS * 4
     assert gathers["measured_payload_bytes"] == gathers["analytic_payload_bytes"]
@@ -79,11 +74,11 @@ def test_model_parallel_report_counts_the_split_layers_activations(runs):
     assert all(s["communication_ms"] > 0 for s in report["steps"])
 
 
-def test_conv_data_fc_model_report_counts_conv_gradients_and_the_batch_gather(runs):
+def test_conv_data_fc_model_report_counts_conv_gradients_and_the_batch_gather(profiled_runs):
     """Krizhevsky's trick on 4 devices: the conv weights' gradients are all-reduced over all
     4, and the batch is all-gathered before fc1 (flatten's 2x2x128 floats per example), as
     are fc1's split units before the classifier (256); backward, their gradients go back."""
-    report = _report(runs["trick4"])
+    report = _report(profiled_runs["trick4"])
     grads = report["bytes_per_device"]["gradients"]
     assert grads["minimum_bytes"] == pytest.approx(CONV_PARAMS * 4 * 2 * 3 / 4)
     # DTensor combines them (and the logits' gather for the accuracy) into one all-reduce;
@@ -98,26 +93,26 @@ def test_conv_data_fc_model_report_counts_conv_gradients_and_the_batch_gather(ru
     assert report["bytes_per_device"]["parameters"]["moved_bytes"] == 0
 
 
-def test_single_device_report_shows_no_communication(runs):
-    report = _report(runs["single"])
+def test_single_device_report_shows_no_communication(profiled_runs):
+    report = _report(profiled_runs["single"])
     assert all(s["communication_ms"] == 0 and s["collective_events"] == 0 for s in report["steps"])
     assert all(t["moved_bytes"] == 0 and t["minimum_bytes"] == 0 for t in report["bytes_per_device"].values())
 
 
-def test_profiling_does_not_change_the_result(runs):
-    profiled, plain = checkpoint_values(runs["data2"]), checkpoint_values(runs["data2_plain"])
+def test_profiling_does_not_change_the_result(profiled_runs):
+    profiled, plain = checkpoint_values(profiled_runs["data2"]), checkpoint_values(profiled_runs["data2_plain"])
     assert profiled.keys() == plain.keys()
     for key in plain:
         np.testing.assert_array_equal(profiled[key], plain[key], err_msg=key)
 
 
-def test_comm_report_tool_rebuilds_the_report(runs):
-    done = subprocess.run([sys.executable, "-m", "tools.comm_report", f"--run_dir={runs['model2']}"], cwd=REPO,
+def test_comm_report_tool_rebuilds_the_report(profiled_runs):
+    done = subprocess.run([sys.executable, "-m", "tools.comm_report", f"--run_dir={profiled_runs['model2']}"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| activations |" in done.stdout and "| mean |" in done.stdout
-    missing = subprocess.run([sys.executable, "-m", "tools.comm_report", f"--run_dir={runs['data2_plain']}"], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run([sys.executable, "-m", "tools.comm_report", f"--run_dir={profiled_runs['data2_plain']}"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2
     assert missing.stderr.startswith("comm_report: error: ") and len(missing.stderr.splitlines()) == 1, missing.stderr
     assert "train with --profile_steps=A,B first" in missing.stderr

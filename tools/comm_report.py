@@ -7,8 +7,6 @@ Reads RUN_DIR/tensorboard's newest profiler trace and the collectives saved at t
 The run must have been trained with --profile_steps=A,B.
 """
 
-import os
-
 from absl import flags
 
 from tf_multigpu import cli
@@ -25,9 +23,10 @@ def main(argv):
         cli.fail(PROG, f"unexpected arguments {argv[1:]}: give the run as --run_dir=RUN_DIR")
     if not FLAGS.run_dir:
         cli.fail(PROG, "--run_dir is required: give a run trained with --profile_steps=A,B")
-    saved = RunPaths(FLAGS.run_dir).comm_report + ".json"
-    if not os.path.exists(saved):   # decided before TensorFlow starts: the error in 0.1 s, not 6
-        cli.fail(PROG, f"{saved} not found: train with --profile_steps=A,B first")
+    try:   # decided before TensorFlow starts: the error in 0.1 s, not 6
+        RunPaths(FLAGS.run_dir).saved_comm_report()
+    except FileNotFoundError as e:
+        cli.fail(PROG, str(e))
     cli.start_tensorflow()
     from tf_multigpu.profiling import report
     try:

@@ -7,11 +7,10 @@ from tf_multigpu.config.config import (
     check_exportable_run,
     check_resumable,
     load_config,
-    load_run_config,
     no_checkpoint,
 )
 from tf_multigpu.config.plan_checks import check_before_start, check_cluster, check_plan
 from tf_multigpu.config.run_paths import RunPaths
 
 __all__ = ["Config", "RESULT_FIELDS", "RunPaths", "check_before_start", "check_cluster", "check_plan",
-           "check_exportable_run", "check_resumable", "load_config", "load_run_config", "no_checkpoint"]
+           "check_exportable_run", "check_resumable", "load_config", "no_checkpoint"]

@@ -39,3 +39,11 @@ class RunPaths:
     def comm_report(self):
         """The communication report, without its extension (.json and .md are written)."""
         return os.path.join(self.root, "comm_report")
+
+    def saved_comm_report(self) -> str:
+        """comm_report.json, which a profiled run writes; FileNotFoundError naming the fix if
+        the run was not profiled."""
+        path = self.comm_report + ".json"
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} not found: train with --profile_steps=A,B first")
+        return path

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import tensorflow as tf
 
@@ -88,9 +87,7 @@ def rebuild(run_dir: str) -> dict:
     """Re-reads RUN_DIR's trace and saved collectives; rewrites and returns the report."""
     from tf_multigpu.config import RunPaths
     paths = RunPaths(run_dir)
-    if not os.path.exists(paths.comm_report + ".json"):
-        raise FileNotFoundError(f"{paths.comm_report}.json not found: train with --profile_steps=A,B first")
-    with open(paths.comm_report + ".json") as f:
+    with open(paths.saved_comm_report()) as f:
         saved = json.load(f)
     found = [coll.CollectiveOp(**{k: v for k, v in c.items() if k != "moved_bytes"}) for c in saved["collectives"]]
     minimum = {k: t["minimum_bytes"] for k, t in saved["bytes_per_device"].items()}
