@@ -128,5 +128,6 @@ def exit_before_tensorflow(module, prog, *args):
     from tests.conftest import REPO
     done = subprocess.run([sys.executable, "-c", _RUN_AND_REPORT, module, prog, *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
+    assert len(done.stdout.split()) == 2, (done.stdout, done.stderr[-2000:])   # it exited, and said how
     status, imported = done.stdout.split()
     return int(status), imported == "True", done.stderr.strip().splitlines()[-1]

@@ -26,7 +26,7 @@ from tf_multigpu.parallel.cluster import resolve_cluster
 from tools import launch_local
 
 USAGE_ERROR = 2
-STEPS = 80           # long enough that a SIGTERM sent after checkpoint 10 lands mid-run (~9 s left)
+STEPS = 80           # long enough that a SIGTERM sent after checkpoint 10 lands mid-run (70 steps left)
 COMMON = [f"--steps={STEPS}", "--batch_size=32", "--checkpoint_every=10", "--log_every=2",
           "--eval_every=40", "--seed=3", "--peer_timeout=15"]
 RUN_TIMEOUT = 240

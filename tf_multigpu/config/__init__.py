@@ -1,5 +1,6 @@
-"""Run configuration: flag definitions, the frozen, validated Config built from them, and the
-rules a config must meet on its devices and cluster (`check_plan`)."""
+"""Run configuration: flag definitions, the frozen, validated Config built from them, the
+rules a config must meet on its devices and cluster (`check_plan`), and what a run directory
+must hold to be exported (`check_exportable_run`), all decided without TensorFlow."""
 
 from tf_multigpu.config.config import (
     RESULT_FIELDS,
