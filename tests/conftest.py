@@ -5,8 +5,6 @@ Every multi-device test runs on these (the first N of them), so the suite needs 
 
 import json
 import os
-import subprocess
-import sys
 
 _USER_LEVEL = "TF_CPP_MIN_LOG_LEVEL" in os.environ
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -24,14 +22,18 @@ if os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "2" and not _USER_LEVEL:
     del os.environ["TF_CPP_MIN_LOG_LEVEL"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from tests import launcher  # noqa: E402
 from tf_multigpu.parallel import dtensor_mesh  # noqa: E402  (after the logical devices exist)
 
 
-def run_cli(*args, timeout=300, env=None):
-    """Runs `python -m tf_multigpu.train ARGS` in a fresh process; returns CompletedProcess."""
-    return subprocess.run([sys.executable, "-m", "tf_multigpu.train", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+def run_cli(*args, **options):
+    """Runs `python -m tf_multigpu.train ARGS` in a process of its own (tests/launcher.py:
+    forked from one that imported TensorFlow, unless `fresh=True`); returns CompletedProcess."""
+    return launcher.run_module("tf_multigpu.train", *args, **options)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    launcher.stop_server()
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
+from tests.launcher import run_code
 from tf_multigpu.config import Config
 from tf_multigpu.training.run import build_run
 
@@ -104,9 +105,7 @@ print(json.dumps(out))
 def serve_digits(exports):
     """Accuracy and probabilities of each export on the digits test split, served by a fresh
     process that imports only TensorFlow (and scikit-learn for the data)."""
-    from tests.conftest import REPO
-    done = subprocess.run([sys.executable, "-c", _SERVE_DIGITS, *exports], capture_output=True, text=True,
-                          cwd=REPO, timeout=200)
+    done = run_code(_SERVE_DIGITS, *exports, timeout=200)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

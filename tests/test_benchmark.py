@@ -7,12 +7,10 @@ does for each configuration); the statistics and tables are also checked on made
 import csv
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.launcher import run_module
 from tools.bench import report
 from tools.bench.configs import BenchRun, grid, paper_runs, peer_runs
 
@@ -22,8 +20,7 @@ TORCH = importlib.util.find_spec("torch") is not None
 
 def _tool(name, *args, timeout=300):
     module = "tools." + name.removesuffix(".py")
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_module(module, *args, timeout=timeout)
 
 
 def _assert_png(path):

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import DEVICES, REPO
+from tests.conftest import DEVICES
 from tests.helpers import exit_before_tensorflow
+from tests.launcher import run_code, run_module
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.errors import UsageError
@@ -48,9 +49,8 @@ np.savez(sys.argv[1], labels=y, **out)
 
 
 def _export_cli(*args, timeout=120):
-    """Runs `python -m tf_multigpu.export_main ARGS` in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "tf_multigpu.export_main", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    """Runs `python -m tf_multigpu.export_main ARGS` in a process of its own."""
+    return run_module("tf_multigpu.export_main", *args, timeout=timeout)
 
 
 def _one_error_line(done):
@@ -119,8 +119,7 @@ def served(runs, cli_export, tmp_path_factory):
     """Outputs of every export, served by one fresh process that knows only TensorFlow."""
     exports = [runs[s]["export"] for s in STRATEGIES] + [cli_export[0]]
     out_file = str(tmp_path_factory.mktemp("served") / "served.npz")
-    done = subprocess.run([sys.executable, "-c", SERVE, out_file, *exports], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    done = run_code(SERVE, out_file, *exports, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     results = dict(np.load(out_file))
     return {path: {k.split("/", 1)[1]: v for k, v in results.items() if k.startswith(f"{i}/")}

@@ -3,12 +3,11 @@ before writing anything, and `python -m tools.max_batch` finds the largest globa
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import run_cli
+from tests.launcher import run_module
 from tf_multigpu.cli import DOES_NOT_FIT
 
 
@@ -38,10 +37,9 @@ def test_logical_gpus_need_a_memory_limit(tmp_path):
 
 @pytest.mark.slow
 def test_max_batch_finds_the_boundary(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tools.max_batch", "--model=small_convnet", "--dataset=digits",
-                           "--device_memory_limit=16", "--strategies=data", "--cpu_devices=2", "--start_batch=256",
-                           "--max_batch=1024", "--resolution=128", f"--out_dir={tmp_path}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = run_module("tools.max_batch", "--model=small_convnet", "--dataset=digits", "--device_memory_limit=16",
+                      "--strategies=data", "--cpu_devices=2", "--start_batch=256", "--max_batch=1024",
+                      "--resolution=128", f"--out_dir={tmp_path}", timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.load(open(os.path.join(tmp_path, "max_batch.json")))["rows"]
     # The estimate allows 302 for small_convnet on 2 devices with 16 MiB: 256 fits, 512 does not,

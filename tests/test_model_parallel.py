@@ -15,6 +15,7 @@ from tensorflow.experimental import dtensor
 
 from tests.conftest import REPO, run_cli
 from tests.helpers import checkpoint_values, keep_only_checkpoint, serve_digits
+from tests.launcher import run_module
 from tf_multigpu.config import Config
 from tf_multigpu.errors import UsageError
 from tf_multigpu.models import build_model
@@ -181,9 +182,8 @@ def test_hybrid_learns_digits_like_data_parallel(tmp_path, default_run):
     # The export (a plain one-device model from the mesh's values) predicts what the trained
     # mesh model measured, and equals an export of the same checkpoint made on one device.
     run_dir = str(tmp_path / "hybrid")
-    again = subprocess.run([sys.executable, "-m", "tf_multigpu.export_main", f"--run_dir={run_dir}",
-                            f"--export_dir={tmp_path / 'one_device_export'}"], cwd=REPO,
-                           capture_output=True, text=True, timeout=200)
+    again = run_module("tf_multigpu.export_main", f"--run_dir={run_dir}",
+                       f"--export_dir={tmp_path / 'one_device_export'}", timeout=200)
     assert again.returncode == 0, again.stderr[-2000:]
     served = serve_digits([os.path.join(run_dir, "export"), str(tmp_path / "one_device_export")])
     assert abs(served[0]["accuracy"] - results["hybrid"]["test_accuracy"]) < 1e-9
@@ -235,9 +235,8 @@ def test_mobilenet_v2_export_from_hybrid_equals_the_one_device_export(tmp_path):
                    "--image_size=32", "--model=tests.user_models:mobilenet_v2_first_blocks", "--batch_size=8",
                    "--steps=2", "--learning_rate=0.01", "--log_every=2", timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    again = subprocess.run([sys.executable, "-m", "tf_multigpu.export_main", f"--run_dir={run_dir}",
-                            f"--export_dir={tmp_path / 'one_device'}", "--noevaluate"], cwd=REPO,
-                           capture_output=True, text=True, timeout=600)
+    again = run_module("tf_multigpu.export_main", f"--run_dir={run_dir}", f"--export_dir={tmp_path / 'one_device'}",
+                       "--noevaluate", timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     images = tf.constant(np.random.RandomState(0).randint(0, 256, (6, 32, 32, 3)).astype(np.uint8))
     a, b = (tf.saved_model.load(path).signatures["serving_default"](images=images)["probabilities"].numpy()

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -21,6 +20,7 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 from tests.helpers import checkpoint_values
+from tests.launcher import run_module
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.cluster import resolve_cluster
 from tools import launch_local
@@ -71,9 +71,8 @@ def _wait_for(path_pattern, procs, timeout=RUN_TIMEOUT):
 
 def _launch(run_dir, flags, via="tf_config"):
     """python -m tools.launch_local with the common flags; returns CompletedProcess."""
-    return subprocess.run([sys.executable, "-m", "tools.launch_local", "--workers=2", f"--via={via}",
-                           f"--timeout={RUN_TIMEOUT}", "--", f"--run_dir={run_dir}", *COMMON, *flags],
-                          cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT + 30)
+    return run_module("tools.launch_local", "--workers=2", f"--via={via}", f"--timeout={RUN_TIMEOUT}", "--",
+                      f"--run_dir={run_dir}", *COMMON, *flags, timeout=RUN_TIMEOUT + 30)
 
 
 def _assert_same_weights(run_a, run_b, rtol=1e-5):
@@ -239,9 +238,8 @@ def test_lost_peer_errors_are_one_line():
 
 
 def test_launcher_prefixes_output_and_fails_when_a_worker_fails(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tools.launch_local", "--workers=2", "--timeout=120", "--",
-                           f"--run_dir={tmp_path / 'run'}", "--peer_timeout=0"],
-                          cwd=REPO, capture_output=True, text=True, timeout=150)
+    done = run_module("tools.launch_local", "--workers=2", "--timeout=120", "--", f"--run_dir={tmp_path / 'run'}",
+                      "--peer_timeout=0", timeout=150)
     assert done.returncode == USAGE_ERROR, done.stdout + done.stderr
     for index in (0, 1):
         assert f"[w{index}] tf-multigpu-train: error: --peer_timeout=0 must be >= 1" in done.stdout

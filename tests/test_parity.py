@@ -1,14 +1,12 @@
 """Every strategy's step changes every weight exactly as one device does on the same batch."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import REPO
 from tests.helpers import max_update_difference, one_step
+from tests.launcher import run_module
 from tf_multigpu.data import load_source
 
 # fp32 sums of the same products in a different order (per-replica partial sums, then the
@@ -66,11 +64,10 @@ MESHES = [("model", "batch:1,model:2"), ("model", "batch:1,model:4"), ("hybrid",
 
 
 def _worker(*jobs):
-    """tests/parity_worker.py's results for `jobs` (argument lists on one mesh), run in a fresh
-    process."""
+    """tests/parity_worker.py's results for `jobs` (argument lists on one mesh), run in a
+    process of its own."""
     args = [arg for job in jobs for arg in ("--", *job)][1:]
-    done = subprocess.run([sys.executable, "-m", "tests.parity_worker", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = run_module("tests.parity_worker", *args, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     return results if len(jobs) > 1 else [results]

@@ -5,13 +5,12 @@ import dataclasses
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import keras
 import pytest
 
 from tests.conftest import REPO, run_cli
+from tests.launcher import run_module
 from tf_multigpu import planner
 from tf_multigpu.errors import UsageError
 from tf_multigpu.models import build_model
@@ -314,8 +313,7 @@ def _read_json(*parts):
 
 
 def _plan_cli(*args):
-    return subprocess.run([sys.executable, "-m", "tf_multigpu.plan_main", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=200, check=False)
+    return run_module("tf_multigpu.plan_main", *args, timeout=200)
 
 
 def test_plan_cli_prints_and_writes_the_table(tmp_path):

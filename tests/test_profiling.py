@@ -6,15 +6,14 @@ result."""
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import run_cli
 from tests.helpers import checkpoint_values
+from tests.launcher import run_module
 from tf_multigpu.profiling import xspace
 
 SMALL_CONVNET_PARAMS = 226_570
@@ -107,12 +106,10 @@ def test_profiling_does_not_change_the_result(profiled_runs):
 
 
 def test_comm_report_tool_rebuilds_the_report(profiled_runs):
-    done = subprocess.run([sys.executable, "-m", "tools.comm_report", f"--run_dir={profiled_runs['model2']}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = run_module("tools.comm_report", f"--run_dir={profiled_runs['model2']}", timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| activations |" in done.stdout and "| mean |" in done.stdout
-    missing = subprocess.run([sys.executable, "-m", "tools.comm_report", f"--run_dir={profiled_runs['data2_plain']}"],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    missing = run_module("tools.comm_report", f"--run_dir={profiled_runs['data2_plain']}", timeout=120)
     assert missing.returncode == 2
     assert missing.stderr.startswith("comm_report: error: ") and len(missing.stderr.splitlines()) == 1, missing.stderr
     assert "train with --profile_steps=A,B first" in missing.stderr

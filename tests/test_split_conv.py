@@ -4,9 +4,6 @@ meshes, whole or in chunks of output rows; it keeps only its input for the backw
 input gradient crosses `model` in all-reduces that add up to the input's size."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -14,6 +11,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tests.launcher import run_code
 from tf_multigpu.parallel.split_conv import split_conv2d
 
 U = dtensor.UNSHARDED
@@ -174,10 +172,7 @@ def test_input_gradient_all_reduces_add_up_to_the_input(chunks):
     to x's size per device (one per chunk, never one per tap), dw's partial sums over `batch`
     are one all-reduce of the local kernel shard, and nothing else crosses devices but the
     4-byte scalars that make each chunk wait for the previous one."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", _COLLECTIVES_WORKER, str(CHUNKS[chunks])], cwd=repo,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": repo})
+    done = run_code(_COLLECTIVES_WORKER, str(CHUNKS[chunks]))
     assert done.returncode == 0, done.stderr[-2000:]
     found = [c[:2] for c in json.loads(done.stdout.strip().splitlines()[-1])]   # [op, bytes, name]
     x_bytes, dw_bytes = 2 * 13 * 13 * 16 * 4, 5 * 5 * 16 * 4 * 4   # per device: half the batch, half cout

@@ -1,12 +1,10 @@
 """Input throughput: the pipeline timed alone, the once-only "input cannot keep up" line, and
 tools/input_throughput.py's table."""
 
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.launcher import run_module
 from tf_multigpu.data import load_source, pipeline
 from tf_multigpu.data.pipeline import train_dataset
 from tf_multigpu.data.throughput import HEADROOM, InputCheck
@@ -34,9 +32,8 @@ def test_a_worker_compares_its_own_share():
 
 @pytest.mark.slow
 def test_tool_prints_the_table():
-    done = subprocess.run([sys.executable, "-m", "tools.input_throughput", "--sources=digits,synthetic",
-                           "--image_size=8", "--batch_size=32", "--seconds=0.2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = run_module("tools.input_throughput", "--sources=digits,synthetic", "--image_size=8",
+                      "--batch_size=32", "--seconds=0.2")
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| digits") or line.startswith("| synthetic")]
     assert len(rows) == 2

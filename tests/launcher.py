@@ -1,0 +1,139 @@
+"""The commands the tests run (`python -m MODULE ARGS`), each in a process of its own, forked
+from a server that has already imported TensorFlow.
+
+Every command a test starts pays Python's import of TensorFlow, Keras and scikit-learn before
+it does anything: about 5 s on CI's 2 cores, times over a hundred commands. The server
+(`_SERVER`, one per test session) imports them once, without starting TensorFlow's runtime
+(no device is listed, no context made), and forks a child per command. The child is a process
+like any other: it sets its own devices, environment, working directory and arguments, runs
+the module as `python -m` would, and exits with the status a fresh process would have. What
+it skips is the import itself, and with it TensorFlow's start-up log lines.
+
+So a test whose subject is the start itself passes `fresh=True`: the quiet start-up log,
+`--verbose` or a log level of the user's (TensorFlow reads it when imported), a command that
+must exit before TensorFlow is imported, a fresh process's peak memory, and processes that
+signal each other.
+"""
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What TensorFlow reads when it is imported: a command given any of these gets a fresh process.
+_READ_AT_IMPORT = ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS", "CUDA_VISIBLE_DEVICES")
+
+_SERVER = r"""
+import json, os, sys
+# The start a command makes by default: cli.configure_logging's level, TensorFlow's start-up
+# lines off the console (cli.start_tensorflow holds them back the same way).
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+_stderr = os.dup(2)
+os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+import numpy, tensorflow, keras, sklearn.datasets, absl.app, absl.flags  # noqa: F401
+tensorflow.config.list_physical_devices()   # as cli.start_tensorflow does, still configurable
+os.dup2(_stderr, 2)
+os.close(_stderr)
+del os.environ["TF_CPP_MIN_LOG_LEVEL"]
+import runpy
+
+
+def child(request):
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if "code" in request:   # python -c CODE ARGS
+        sys.argv = ["-c", *request["args"]]
+        exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
+        return
+    sys.path[0] = request["cwd"]   # as `python -m` sets it
+    sys.argv = [request["module"], *request["args"]]
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+
+
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        child(request)
+        sys.exit(0)   # the module returned: exit as `python -m` does (atexit handlers run)
+    print(json.dumps({"pid": pid}), flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+_server = None
+
+
+def _started_server():
+    global _server
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=REPO, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, bufsize=0, env=dict(os.environ))
+        _server.pending = b""
+    return _server
+
+
+def _reply(server, timeout=None):
+    """The server's next line (a JSON object), or None if none came within `timeout` s."""
+    while b"\n" not in server.pending:
+        ready, _, _ = select.select([server.stdout], [], [], timeout)
+        if not ready:
+            return None
+        chunk = os.read(server.stdout.fileno(), 4096)
+        if not chunk:
+            raise RuntimeError("the test launcher's server died: see the stderr above")
+        server.pending += chunk
+    line, server.pending = server.pending.split(b"\n", 1)
+    return json.loads(line)
+
+
+def stop_server():
+    """Ends the server (it exits when its input closes): the end of the test session."""
+    global _server
+    if _server is not None:
+        _server.stdin.close()
+        _server.wait(timeout=60)
+        _server = None
+
+
+def run_module(module, *args, **options):
+    """`python -m MODULE ARGS` run to its end, as subprocess.run(capture_output=True, text=True)
+    would: a CompletedProcess (TimeoutExpired after `timeout` s, the command killed). Forked
+    from the server unless `fresh` or `env` sets something TensorFlow reads on import."""
+    return _run({"module": module}, ["-m", module], args, **options)
+
+
+def run_code(code, *args, **options):
+    """`python -c CODE ARGS`, as run_module runs a module."""
+    return _run({"code": code}, ["-c", code], args, **options)
+
+
+def _run(what, command, args, timeout=300, env=None, cwd=REPO, fresh=False):
+    env = {**os.environ, **(env or {})}
+    argv = [sys.executable, *command, *args]
+    if fresh or any(name in env for name in _READ_AT_IMPORT):
+        return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    server = _started_server()
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        request = {**what, "args": list(args), "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
+        server.stdin.write((json.dumps(request) + "\n").encode())
+        pid = _reply(server)["pid"]
+        done = _reply(server, timeout)
+        if done is None:
+            os.kill(pid, signal.SIGKILL)
+            _reply(server)
+        stdout, stderr = (open(path, errors="backslashreplace").read() for path in (out, err))
+    if done is None:
+        raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(argv, done["status"], stdout, stderr)
