@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import REPO, run_cli
+from tests.launcher import run_module
 from tf_multigpu.profiling.memory_measured import MemoryMeter, peak_rss_bytes, rss_bytes
 
 
@@ -95,10 +96,8 @@ def test_table_rows_and_markdown():
 @pytest.mark.slow
 def test_memory_table_tool_runs_fresh_processes(tmp_path):
     out = tmp_path / "table.md"
-    done = subprocess.run([sys.executable, "-m", "tools.memory_table", "--model=small_convnet", "--dataset=digits",
-                           "--batch_size=32", "--train_steps=1", "--configs=single,model_1x2_filter_split",
-                           f"--out={out}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": REPO})
+    done = run_module("tools.memory_table", "--model=small_convnet", "--dataset=digits", "--batch_size=32",
+                      "--train_steps=1", "--configs=single,model_1x2_filter_split", f"--out={out}", timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "table.json").read_text())
     assert [r["config"] for r in rows] == ["single", "model 1x2 filter_split"]
@@ -107,7 +106,6 @@ def test_memory_table_tool_runs_fresh_processes(tmp_path):
 
 
 def test_memory_table_names_an_unknown_config():
-    done = subprocess.run([sys.executable, "-m", "tools.memory_table", "--configs=single,model_9x9"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    done = run_module("tools.memory_table", "--configs=single,model_9x9", timeout=120)
     assert done.returncode != 0
     assert "--configs: unknown model_9x9" in done.stderr

@@ -5,17 +5,15 @@ over other devices in one process can hang (BUILD_NOTES.md); other meshes run as
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import run_cli
 from tests.helpers import checkpoint_values, keep_only_checkpoint, serve_digits
-from tests.launcher import run_module
+from tests.launcher import run_code, run_module
 from tf_multigpu.config import Config
 from tf_multigpu.errors import UsageError
 from tf_multigpu.models import build_model
@@ -125,9 +123,8 @@ def test_gather_lowering_is_chosen_by_the_mesh_and_the_user_wins(monkeypatch):
     dtensor_mesh._choose_gather_lowering({"batch": 1, "model": 2})
     assert os.environ[name] == "0"
     # A command started from a process that chose for its mesh does not take that for the user's.
-    seen = subprocess.run([sys.executable, "-c", "from tf_multigpu.parallel import dtensor_mesh as m; "
-                           "print(m._USER_GATHER_LOWERING)"], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, name: "1", dtensor_mesh._OURS: "1"}, timeout=120)
+    seen = run_code("from tf_multigpu.parallel import dtensor_mesh as m; print(m._USER_GATHER_LOWERING)",
+                    env={name: "1", dtensor_mesh._OURS: "1"}, timeout=120)
     assert seen.stdout.strip().splitlines()[-1] == "None", seen.stderr[-2000:]
 
 
