@@ -298,13 +298,15 @@ def test_a_measured_rate_per_batch_prices_each_plan_at_its_own_examples_per_devi
     assert {p.rows_split for p in cdfm} == {True, False}   # the case above priced both ways
 
 
-def test_kendall_tau_of_the_comparison_tool():
+def test_kendall_tau_and_unresolved_pairs_of_the_comparison_tool():
     spec = importlib.util.spec_from_file_location("pvm", os.path.join(REPO, "tools", "plan_vs_measured.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.kendall_tau([1, 2, 3], [10, 20, 30]) == (1.0, [])
     assert module.kendall_tau([1, 2, 3], [10, 30, 20]) == (pytest.approx(1 / 3), [(1, 2)])
     assert module.kendall_tau([1, 2, 3], [3, 2, 1])[0] == -1.0
+    # two rounds of three plans: plans 0 and 1 differ by less than plan 1's own spread
+    assert module.unresolved_pairs([[1.00, 1.05, 2.0], [1.01, 0.98, 2.1]]) == {(0, 1)}
 
 
 def _read_json(*parts):

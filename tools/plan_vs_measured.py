@@ -49,6 +49,16 @@ def kendall_tau(xs, ys) -> tuple[float, list]:
     return ((concordant - len(disagree)) / pairs if pairs else 1.0), disagree
 
 
+def unresolved_pairs(runs) -> set:
+    """The index pairs of plans whose best measured times differ by less than either plan's
+    spread over its own runs (`runs`: one list of times per round): the measurement itself
+    cannot order them, and a prediction ordering them either way is not contradicted."""
+    best = [min(times) for times in zip(*runs)]
+    spread = [max(times) - min(times) for times in zip(*runs)]
+    return {(i, j) for i in range(len(best)) for j in range(i + 1, len(best))
+            if abs(best[i] - best[j]) < max(spread[i], spread[j])}
+
+
 def measure_plan(plan, workdir) -> float:
     """Steady-state step time of `plan` trained for --steps steps in a fresh process."""
     run_dir = os.path.join(workdir, plan.label.replace(" ", "_"))
@@ -106,10 +116,19 @@ def main(argv):
     ratios = [m / p for m, p in zip(measured, predicted)]
     print(f"\nKendall's tau (predicted vs measured order): {tau:.2f} over {len(plans)} plans; "
           f"measured / predicted from {min(ratios):.2f} to {max(ratios):.2f}.")
+    unresolved = unresolved_pairs(runs) if FLAGS.rounds > 1 else set()
+    if unresolved:
+        resolved = [(i, j) for i in range(len(plans)) for j in range(i + 1, len(plans)) if (i, j) not in unresolved]
+        wrong = [pair for pair in disagree if pair not in unresolved]
+        tau_resolved = f" (tau {(len(resolved) - 2 * len(wrong)) / len(resolved):.2f})" if resolved else ""
+        print(f"Pairs closer than their own runs' spread (the measurement does not order them): {len(unresolved)} "
+              f"of {len(plans) * (len(plans) - 1) // 2}; over the {len(resolved)} others, the predicted order is "
+              f"wrong for {len(wrong)}{tau_resolved}.")
     if disagree:
         print("Pairs ordered differently: " + "; ".join(
             f"{plans[i].label} vs {plans[j].label} (predicted {predicted[i] * 1e3:.0f} vs {predicted[j] * 1e3:.0f} ms, "
-            f"measured {measured[i] * 1e3:.0f} vs {measured[j] * 1e3:.0f} ms)" for i, j in disagree))
+            f"measured {measured[i] * 1e3:.0f} vs {measured[j] * 1e3:.0f} ms"
+            + (", within the runs' spread)" if (i, j) in unresolved else ")") for i, j in disagree))
     p = profile
     rates = ", ".join(f"{r / 1e9:.1f} at {b}" for b, r in sorted(p.batch_flops_per_s.items()))
     dense = ", ".join(f"{r / 1e9:.1f} at {b}" for b, r in sorted(p.batch_dense_flops_per_s.items()))
