@@ -1,0 +1,48 @@
+"""The test launcher (tests/launcher.py): a command forked from its server ends as the same
+command in a fresh process does (output, exit status, arguments, directory, environment), and
+one that overruns its timeout is killed."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import launcher
+
+_REPORT = """
+import json, os, sys
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "var": os.environ.get("LAUNCHER_TEST_VAR"),
+                  "tensorflow_started": "tensorflow" in sys.modules}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_a_forked_command_ends_as_a_fresh_one(tmp_path, status):
+    args = (str(status), "--flag=1")
+    forked = launcher.run_code(_REPORT, *args, cwd=tmp_path, env={"LAUNCHER_TEST_VAR": "x"})
+    fresh = subprocess.run([sys.executable, "-c", _REPORT, *args], cwd=tmp_path, capture_output=True, text=True,
+                           env={**os.environ, "LAUNCHER_TEST_VAR": "x"}, timeout=60)
+    assert forked.returncode == fresh.returncode == status
+    assert forked.stderr == fresh.stderr == "to stderr\n"
+    # The same output, but for what the launcher is for: TensorFlow was imported already.
+    assert forked.stdout.replace('"tensorflow_started": true', '"tensorflow_started": false') == fresh.stdout
+
+
+def test_an_uncaught_exception_exits_1_with_its_traceback():
+    done = launcher.run_code("raise ValueError('boom')")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == "ValueError: boom"
+
+
+def test_a_command_past_its_timeout_is_killed(tmp_path):
+    marker = tmp_path / "pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        launcher.run_code(f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)",
+                          timeout=3)
+    pid = int(marker.read_text())
+    with pytest.raises(ProcessLookupError):   # gone, and reaped by the server
+        os.kill(pid, 0)
+    assert launcher.run_code("print('next')").stdout == "next\n"   # the server serves on
