@@ -33,8 +33,9 @@ import json, os, sys
 # The start a command makes by default: cli.configure_logging's level, TensorFlow's start-up
 # lines off the console (cli.start_tensorflow holds them back the same way).
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-_stderr = os.dup(2)
-os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+_stderr, _null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+os.dup2(_null, 2)
+os.close(_null)
 import numpy, tensorflow, keras, sklearn.datasets, absl.app, absl.flags  # noqa: F401
 tensorflow.config.list_physical_devices()   # as cli.start_tensorflow does, still configurable
 os.dup2(_stderr, 2)
@@ -44,10 +45,11 @@ import runpy
 
 
 def child(request):
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT),
+                           (2, request["stderr"], os.O_WRONLY | os.O_CREAT)):
+        opened = os.open(path, mode)
+        os.dup2(opened, fd)
+        os.close(opened)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
