@@ -105,7 +105,7 @@ print(json.dumps(out))
 def serve_digits(exports):
     """Accuracy and probabilities of each export on the digits test split, served by a fresh
     process that imports only TensorFlow (and scikit-learn for the data)."""
-    done = run_code(_SERVE_DIGITS, *exports, timeout=200)
+    done = run_code(_SERVE_DIGITS, *exports, timeout=200, fresh=True)   # a client with TensorFlow alone
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -1,7 +1,8 @@
 """tools/benchmark.py and tools/convergence.py: the sweeps run and their outputs parse.
 
-The end-to-end checks start the tools as a user would (fresh processes, as the sweep itself
-does for each configuration); the statistics and tables are also checked on made-up rows.
+The end-to-end checks start the tools as a user would, each in a process of its own
+(tests/launcher.py; the sweep itself starts a fresh process per configuration); the
+statistics and tables are also checked on made-up rows.
 """
 
 import csv

@@ -119,7 +119,7 @@ def served(runs, cli_export, tmp_path_factory):
     """Outputs of every export, served by one fresh process that knows only TensorFlow."""
     exports = [runs[s]["export"] for s in STRATEGIES] + [cli_export[0]]
     out_file = str(tmp_path_factory.mktemp("served") / "served.npz")
-    done = run_code(SERVE, out_file, *exports, timeout=120)
+    done = run_code(SERVE, out_file, *exports, timeout=120, fresh=True)   # a client with TensorFlow alone
     assert done.returncode == 0, done.stderr[-2000:]
     results = dict(np.load(out_file))
     return {path: {k.split("/", 1)[1]: v for k, v in results.items() if k.startswith(f"{i}/")}

@@ -28,7 +28,24 @@ def test_a_forked_command_ends_as_a_fresh_one(tmp_path, status):
     assert forked.returncode == fresh.returncode == status
     assert forked.stderr == fresh.stderr == "to stderr\n"
     # The same output, but for what the launcher is for: TensorFlow was imported already.
+    assert '"tensorflow_started": true' in forked.stdout and '"tensorflow_started": false' in fresh.stdout
     assert forked.stdout.replace('"tensorflow_started": true', '"tensorflow_started": false') == fresh.stdout
+
+
+def test_a_forked_module_sees_the_argv_and_path_python_m_gives():
+    code = "import json, sys; print(json.dumps([sys.argv, sys.path[0]]))"
+    module = "tests._launcher_probe"
+    path = os.path.join(launcher.REPO, "tests", "_launcher_probe.py")
+    with open(path, "w") as f:
+        f.write(code + "\n")
+    try:
+        forked = launcher.run_module(module, "--x=1")
+        fresh = subprocess.run([sys.executable, "-m", module, "--x=1"], cwd=launcher.REPO, capture_output=True,
+                               text=True, timeout=60)
+    finally:
+        os.remove(path)
+    assert forked.returncode == fresh.returncode == 0, forked.stderr + fresh.stderr
+    assert forked.stdout == fresh.stdout
 
 
 def test_an_uncaught_exception_exits_1_with_its_traceback():
@@ -38,11 +55,20 @@ def test_an_uncaught_exception_exits_1_with_its_traceback():
 
 
 def test_a_command_past_its_timeout_is_killed(tmp_path):
-    marker = tmp_path / "pid"
+    marker = tmp_path / "pids"
+    code = ("import os, subprocess, sys, time\n"
+            "grandchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"open({str(marker)!r}, 'w').write(f'{{os.getpid()}} {{grandchild.pid}}')\n"
+            "time.sleep(60)\n")
     with pytest.raises(subprocess.TimeoutExpired):
-        launcher.run_code(f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)",
-                          timeout=3)
-    pid = int(marker.read_text())
+        launcher.run_code(code, timeout=5)
+    pid, grandchild = map(int, marker.read_text().split())
     with pytest.raises(ProcessLookupError):   # gone, and reaped by the server
         os.kill(pid, 0)
+    # The run it started was killed too (a zombie until init reaps it: its state is Z).
+    try:
+        state = open(f"/proc/{grandchild}/stat").read().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("Z", "gone"), state
     assert launcher.run_code("print('next')").stdout == "next\n"   # the server serves on

@@ -486,9 +486,8 @@ def _typical_time(fn, repeats: int = 5) -> float:
 
     The median, not the fastest: a plan's predicted step time is compared with a run's mean
     step time, which pays the spread of a busy machine as well as its quiet spells. On 4
-    logical CPUs the fastest of 12 repeats of a model's step was 7-25% below their median
-    (AlexNet 64 and small_convnet, BUILD_NOTES), and the predictions with it were low by about
-    that much for every plan."""
+    logical CPUs the median of 12 repeats of a model's step was 7-24% above the fastest
+    (AlexNet 64 and small_convnet, BUILD_NOTES)."""
     fn()
     times = []
     for _ in range(repeats):
