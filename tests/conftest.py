@@ -20,10 +20,11 @@ DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 # keeps this process quiet with when it started, and commands choose their own (cli.py).
 if os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "2" and not _USER_LEVEL:
     del os.environ["TF_CPP_MIN_LOG_LEVEL"]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from tests import launcher  # noqa: E402
+from tests import launcher  # noqa: E402  (after the log level is the user's: the server's environment)
 from tf_multigpu.parallel import dtensor_mesh  # noqa: E402  (after the logical devices exist)
+
+REPO = launcher.REPO
 
 
 def run_cli(*args, **options):

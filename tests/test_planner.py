@@ -307,6 +307,9 @@ def test_kendall_tau_and_unresolved_pairs_of_the_comparison_tool():
     assert module.kendall_tau([1, 2, 3], [3, 2, 1])[0] == -1.0
     # two rounds of three plans: plans 0 and 1 differ by less than plan 1's own spread
     assert module.unresolved_pairs([[1.00, 1.05, 2.0], [1.01, 0.98, 2.1]]) == {(0, 1)}
+    assert module.unresolved_pairs([[1.00, 1.05, 2.0]]) == set()   # one round: nothing is unresolved
+    # 3 plans, pairs (0, 1) and (1, 2) swapped, (0, 1) within the runs' spread: 2 pairs ordered, 1 wrong
+    assert module.tau_over_resolved(3, [(0, 1), (1, 2)], {(0, 1)}) == (0.0, [(0, 2), (1, 2)], [(1, 2)])
 
 
 def _read_json(*parts):

@@ -59,6 +59,15 @@ def unresolved_pairs(runs) -> set:
             if abs(best[i] - best[j]) < max(spread[i], spread[j])}
 
 
+def tau_over_resolved(num_plans: int, disagree, unresolved) -> tuple[float, list, list]:
+    """(Kendall's tau over the pairs the runs order, those pairs, the ones the prediction
+    orders differently). Tied predictions count as neither agreeing nor disagreeing: none
+    occur among measured plans, whose predicted times are continuous."""
+    resolved = [(i, j) for i in range(num_plans) for j in range(i + 1, num_plans) if (i, j) not in unresolved]
+    wrong = [pair for pair in disagree if pair not in unresolved]
+    return ((len(resolved) - 2 * len(wrong)) / len(resolved) if resolved else 1.0), resolved, wrong
+
+
 def measure_plan(plan, workdir) -> float:
     """Steady-state step time of `plan` trained for --steps steps in a fresh process."""
     run_dir = os.path.join(workdir, plan.label.replace(" ", "_"))
@@ -116,14 +125,12 @@ def main(argv):
     ratios = [m / p for m, p in zip(measured, predicted)]
     print(f"\nKendall's tau (predicted vs measured order): {tau:.2f} over {len(plans)} plans; "
           f"measured / predicted from {min(ratios):.2f} to {max(ratios):.2f}.")
-    unresolved = unresolved_pairs(runs) if FLAGS.rounds > 1 else set()
+    unresolved = unresolved_pairs(runs)   # none with one round: no spread
     if unresolved:
-        resolved = [(i, j) for i in range(len(plans)) for j in range(i + 1, len(plans)) if (i, j) not in unresolved]
-        wrong = [pair for pair in disagree if pair not in unresolved]
-        tau_resolved = f" (tau {(len(resolved) - 2 * len(wrong)) / len(resolved):.2f})" if resolved else ""
+        tau_resolved, resolved, wrong = tau_over_resolved(len(plans), disagree, unresolved)
         print(f"Pairs closer than their own runs' spread (the measurement does not order them): {len(unresolved)} "
               f"of {len(plans) * (len(plans) - 1) // 2}; over the {len(resolved)} others, the predicted order is "
-              f"wrong for {len(wrong)}{tau_resolved}.")
+              f"wrong for {len(wrong)} (tau {tau_resolved:.2f}).")
     if disagree:
         print("Pairs ordered differently: " + "; ".join(
             f"{plans[i].label} vs {plans[j].label} (predicted {predicted[i] * 1e3:.0f} vs {predicted[j] * 1e3:.0f} ms, "
