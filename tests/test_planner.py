@@ -310,6 +310,9 @@ def test_kendall_tau_and_unresolved_pairs_of_the_comparison_tool():
     assert module.unresolved_pairs([[1.00, 1.05, 2.0]]) == set()   # one round: nothing is unresolved
     # 3 plans, pairs (0, 1) and (1, 2) swapped, (0, 1) within the runs' spread: 2 pairs ordered, 1 wrong
     assert module.tau_over_resolved(3, [(0, 1), (1, 2)], {(0, 1)}) == (0.0, [(0, 2), (1, 2)], [(1, 2)])
+    # a run is --steps long, or long enough to time --seconds after the warm-up window
+    assert module.steps_to_run(0.5, 30, 8.0, 5) == 30            # 25 timed steps: 12.5 s
+    assert module.steps_to_run(0.03, 30, 8.0, 5) == 5 + 270      # 267 steps make 8 s; whole windows
 
 
 def _read_json(*parts):

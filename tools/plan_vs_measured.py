@@ -4,8 +4,9 @@
     python -m tools.plan_vs_measured --model=alexnet --dataset=synthetic --image_size=64 --batch_size=64
 
 On --cpu_devices logical CPU devices: measures a device profile and predicts every plan here,
-then trains each plan for --steps steps in a FRESH process (`python -m tf_multigpu.train`: a
-second DTensor mesh in one process can hang, BUILD_NOTES.md) and reads its summary.json
+then trains each plan in a FRESH process (`python -m tf_multigpu.train`: a second DTensor
+mesh in one process can hang, BUILD_NOTES.md), for --steps steps or --seconds of steady state
+at the predicted step time, whichever is longer, and reads its summary.json
 `step_time_s` (the warm-up window excluded). Prints, as Markdown: predicted and measured step
 time per plan, their ratio, both rankings, Kendall's tau between them (tau-a, computed here)
 and the pairs of plans the two orders disagree on. Logical CPUs share the machine's cores, and
@@ -13,6 +14,7 @@ other jobs may share the machine: the times are noisy (the load average is print
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,10 +30,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROG = "plan_vs_measured"
 _WORKLOAD = define_workload_flags(("model", "dataset", "image_size", "batch_size"), batch_size=256)
 flags.DEFINE_integer("cpu_devices", 4, "Logical CPU devices.")
-flags.DEFINE_integer("steps", 30, "Training steps per plan (the first --log_every are warm-up).")
+flags.DEFINE_integer("steps", 30, "Training steps per plan, at least (the first --log_every are warm-up).")
+flags.DEFINE_float("seconds", 8.0, "Steady-state seconds to time per run, at least: a plan predicted to step "
+                   "faster than --seconds / --steps gets more steps (a short window is a noisy one).")
 flags.DEFINE_integer("log_every", 5, "Logging window; the first window is not timed.")
-flags.DEFINE_integer("rounds", 2, "Fresh runs per plan, in interleaved rounds; the fastest is kept (a busy "
-                     "spell on the shared cores slows one run, not the plan).")
+flags.DEFINE_integer("rounds", 4, "Fresh runs per plan, in interleaved rounds; the fastest is kept (a busy "
+                     "spell on the shared cores slows one run, not the plan: on 2 cores one plan's runs "
+                     "differed by up to 50%, and 2 rounds left plans misordered).")
 FLAGS = flags.FLAGS
 
 
@@ -68,13 +73,22 @@ def tau_over_resolved(num_plans: int, disagree, unresolved) -> tuple[float, list
     return ((len(resolved) - 2 * len(wrong)) / len(resolved) if resolved else 1.0), resolved, wrong
 
 
+def steps_to_run(predicted_s: float, min_steps: int, seconds: float, log_every: int) -> int:
+    """Steps for one run: at least `min_steps`, and enough whole windows after the warm-up
+    window to time about `seconds` at the predicted step time (25 steps of a 30 ms plan is a
+    0.75 s window, whose time swung by 30% between runs of one plan)."""
+    timed = math.ceil(seconds / max(predicted_s, 1e-6) / log_every) * log_every
+    return max(min_steps, log_every + timed)
+
+
 def measure_plan(plan, workdir) -> float:
-    """Steady-state step time of `plan` trained for --steps steps in a fresh process."""
+    """Steady-state step time of `plan`, trained in a fresh process for steps_to_run steps."""
     run_dir = os.path.join(workdir, plan.label.replace(" ", "_"))
+    steps = steps_to_run(plan.step_time_s, FLAGS.steps, FLAGS.seconds, FLAGS.log_every)
     args = [sys.executable, "-m", "tf_multigpu.train", f"--run_dir={run_dir}", f"--model={FLAGS.model}",
-            f"--dataset={FLAGS.dataset}", f"--batch_size={FLAGS.batch_size}", f"--steps={FLAGS.steps}",
-            f"--log_every={FLAGS.log_every}", f"--checkpoint_every={FLAGS.steps}",
-            f"--eval_every={FLAGS.steps}", f"--cpu_devices={FLAGS.cpu_devices}", "--noexport",
+            f"--dataset={FLAGS.dataset}", f"--batch_size={FLAGS.batch_size}", f"--steps={steps}",
+            f"--log_every={FLAGS.log_every}", f"--checkpoint_every={steps}",
+            f"--eval_every={steps}", f"--cpu_devices={FLAGS.cpu_devices}", "--noexport",
             *plan.flags().split()]
     if FLAGS.image_size:
         args.append(f"--image_size={FLAGS.image_size}")
@@ -112,7 +126,8 @@ def main(argv):
     tau, disagree = kendall_tau(predicted, measured)
     order = sorted(range(len(plans)), key=lambda i: measured[i])
     print(f"## {FLAGS.model}, {source.name} {source.image_shape}, global batch {FLAGS.batch_size}, "
-          f"{len(devices)} logical CPU devices, {FLAGS.steps} steps per plan, best of {FLAGS.rounds} runs\n")
+          f"{len(devices)} logical CPU devices, at least {FLAGS.steps} steps and {FLAGS.seconds:g} s timed per run, "
+          f"best of {FLAGS.rounds} runs\n")
     print("| plan | predicted ms (compute + communication + input) | measured ms (each run) | measured / predicted "
           "| predicted rank | measured rank |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
