@@ -64,3 +64,14 @@ def test_workload_flags_have_one_definition_and_one_check():
         check_workload_flags(values)
     with pytest.raises(ValueError, match="not workload flags"):
         define_workload_flags(("steps",), flag_values=flags.FlagValues())
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--rounds=0", "--rounds=0: give at least 1"),
+    ("--seconds=-1", "--seconds=-1: give 0 (--steps alone) or more"),
+])
+def test_plan_vs_measured_refuses_a_bad_count_before_it_measures(flag, message):
+    done = subprocess.run([sys.executable, "-m", "tools.plan_vs_measured", flag], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines() == [f"plan_vs_measured: error: {message}"]

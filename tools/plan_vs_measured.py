@@ -35,8 +35,8 @@ flags.DEFINE_float("seconds", 8.0, "Steady-state seconds to time per run, at lea
                    "faster than --seconds / --steps gets more steps (a short window is a noisy one).")
 flags.DEFINE_integer("log_every", 5, "Logging window; the first window is not timed.")
 flags.DEFINE_integer("rounds", 4, "Fresh runs per plan, in interleaved rounds; the fastest is kept (a busy "
-                     "spell on the shared cores slows one run, not the plan: on 2 cores one plan's runs "
-                     "differed by up to 50%, and 2 rounds left plans misordered).")
+                     "spell on the shared cores slows one run, not the plan: on 2 cores one plan's four runs "
+                     "took 26-53 ms a step, and 2 rounds left plans misordered).")
 FLAGS = flags.FLAGS
 
 
@@ -102,6 +102,10 @@ def measure_plan(plan, workdir) -> float:
 def main(argv):
     if len(argv) > 1:
         cli.fail(PROG, f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+    if FLAGS.rounds < 1:
+        cli.fail(PROG, f"--rounds={FLAGS.rounds}: give at least 1")
+    if FLAGS.seconds < 0:
+        cli.fail(PROG, f"--seconds={FLAGS.seconds:g}: give 0 (--steps alone) or more")
     logging.set_verbosity(logging.ERROR)
     cli.start_tensorflow()
     from tf_multigpu import planner
@@ -117,8 +121,6 @@ def main(argv):
     cost = planner.analyze(model)
     table = planner.plan_table(cost, profile, len(devices), FLAGS.batch_size)
     plans = [p for p in table.plans if p.fits]
-    if FLAGS.rounds < 1:
-        cli.fail(PROG, f"--rounds={FLAGS.rounds}: give at least 1")
     with tempfile.TemporaryDirectory() as workdir:
         runs = [[measure_plan(p, os.path.join(workdir, str(r))) for p in plans] for r in range(FLAGS.rounds)]
     measured = [min(times) for times in zip(*runs)]
