@@ -3,7 +3,8 @@
     python -m tools.plan_vs_measured --model=small_convnet --dataset=digits --batch_size=256
     python -m tools.plan_vs_measured --model=alexnet --dataset=synthetic --image_size=64 --batch_size=64
 
-On --cpu_devices logical CPU devices: measures a device profile and predicts every plan here,
+On --cpu_devices logical CPU devices, in --rounds interleaved rounds: each round measures a
+device profile and predicts every plan with it (the plans are the first profile's that fit),
 then trains each plan in a FRESH process (`python -m tf_multigpu.train`: a second DTensor
 mesh in one process can hang, BUILD_NOTES.md), for --steps steps or --seconds of steady state
 at the predicted step time, whichever is longer, and reads its summary.json
@@ -127,7 +128,8 @@ def main(argv):
                                       global_batch=FLAGS.batch_size,
                                       input_dataset=planner.input_batches(source, FLAGS.batch_size))
             table = {p.label: p for p in planner.plan_table(cost, profile, len(devices), FLAGS.batch_size).plans}
-            plans = plans or [p for p in table.values() if p.fits]   # the first profile's, run in every round
+            if plans is None:   # the first profile's plans that fit, run in every round
+                plans = [p for p in table.values() if p.fits]
             tables.append((profile, table))
             runs.append([measure_plan(p, os.path.join(workdir, str(r))) for p in plans])
     # Both sides the fastest of the rounds: each plan's prediction from its fastest profile.
