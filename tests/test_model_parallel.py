@@ -32,6 +32,7 @@ def _build(devices, model, dataset, layout="filter_split", strategy="model", mes
     return run.par, run.model, run.optimizer
 
 
+@pytest.mark.in_process_mesh
 def test_each_split_kernel_holds_one_mth_per_device(devices):
     par, model, optimizer = _build(devices, "alexnet", "synthetic")
     from tf_multigpu.parallel import Parallelism
@@ -46,6 +47,7 @@ def test_each_split_kernel_holds_one_mth_per_device(devices):
             assert par.local_shape(slot)[-1] * 4 == slot.shape[-1], slot.path
 
 
+@pytest.mark.in_process_mesh
 def test_filter_split_alexnet_on_4_devices_needs_at_most_27_percent(devices):
     par, model, optimizer = _build(devices, "alexnet", "synthetic")
     split = bytes_per_device(par.plan, 32)
@@ -60,6 +62,7 @@ ALEXNET_CONV_PARAMS = (11 * 11 * 3 * 96 + 96) + (5 * 5 * 96 * 256 + 256) + (3 * 
     3 * 3 * 384 * 384 + 384) + (3 * 3 * 384 * 256 + 256)
 
 
+@pytest.mark.in_process_mesh
 def test_conv_data_fc_model_is_data_parallel_convs_and_model_parallel_dense(devices):
     """Krizhevsky's trick on 1x4, global batch 32: conv kernels whole on every device, dense
     kernels split on units; device d gets image rows [8d, 8d+8) and every device the whole

@@ -79,6 +79,7 @@ def test_model_parallel_exchanges_activations_and_splits_parameters(alexnet_cost
     assert sum(p.param_bytes for p in layers.values()) < alexnet_cost.param_bytes / 3.9
 
 
+@pytest.mark.in_process_mesh
 def test_the_converter_runs_what_the_placement_plan_says(devices):
     """One plan: the DTensor model's layers are the implementations the planner costs."""
     from tf_multigpu.parallel.dtensor_mesh import DTensorParallelism

@@ -14,6 +14,7 @@ from tensorflow.experimental import dtensor
 from tests.launcher import run_code
 from tf_multigpu.parallel.split_conv import split_conv2d
 
+pytestmark = pytest.mark.in_process_mesh   # its tests build DTensor meshes in this process
 U = dtensor.UNSHARDED
 # (batch, H, W, cin, cout, kh, kw, stride, padding): AlexNet's conv1 (11x11/4 on 227 and 224),
 # 5x5 and 3x3 SAME, and odd strides, rectangles and 1x1 that the same code must get right.

@@ -18,6 +18,7 @@ from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel import split_layers_modern as M
 from tf_multigpu.profiling import xspace
 
+pytestmark = pytest.mark.in_process_mesh   # its tests build DTensor meshes in this process
 U = dtensor.UNSHARDED
 SPLIT4, WHOLE4 = ["batch", U, U, "model"], ["batch", U, U, U]
 MESHES = [(1, 2), (2, 2)]

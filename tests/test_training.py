@@ -120,6 +120,7 @@ def test_plain_sgd_decays_kernels_inside_the_gradient():
     np.testing.assert_allclose(bias.numpy(), 2.0 - 0.5 * 1.0)
 
 
+@pytest.mark.in_process_mesh
 def test_no_update_temporary_exists_before_its_gradient(devices):
     """Every tensor the optimizer's update makes from a variable (the decay's l2 * w, the
     momentum's m * v) waits for the gradient: one that only reads variables would be computed
