@@ -41,44 +41,38 @@ def run_cli(*args, **options):
 #   has run (BUILD_NOTES.md, "A second mesh in one process can hang");
 # - the tests of a session-scoped fixture share one build of it, and those of a module-scoped
 #   one the module's build, instead of each worker training the same runs again.
+# A test that names its group itself (`xdist_group`: a cache of worker results) keeps it.
 IN_PROCESS_MESH_GROUP = "in_process_mesh"
 
 
 @pytest.hookimpl(tryfirst=True)   # before xdist reads the groups in its own hook
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
         if item.get_closest_marker("in_process_mesh"):
-            group = IN_PROCESS_MESH_GROUP
-        else:
-            # (pytest has no public way to ask a test's fixtures for their scope)
-            scopes = {d[-1].scope: name for name, d in item._fixtureinfo.name2fixturedefs.items()
-                      if d[-1].func.__module__.startswith("tests.")}   # ours, not pytest's own
-            if "session" in scopes:
-                group = "fixture:" + scopes["session"]
-            elif "module" in scopes:
-                group = "module:" + item.module.__name__
-            else:
-                continue
-        item.add_marker(pytest.mark.xdist_group(group))
+            item.add_marker(pytest.mark.xdist_group(IN_PROCESS_MESH_GROUP))
+            continue
+        # (pytest has no public way to ask a test's fixtures for their scope)
+        fixtures = getattr(item, "_fixtureinfo", None)
+        ours = {name: defs[-1].scope for name, defs in (fixtures.name2fixturedefs.items() if fixtures else ())
+                if defs[-1].func.__module__.startswith("tests.")}   # not pytest's own
+        session = sorted(name for name, scope in ours.items() if scope == "session")
+        if session:
+            item.add_marker(pytest.mark.xdist_group("fixture:" + "+".join(session)))
+        elif "module" in ours.values():
+            item.add_marker(pytest.mark.xdist_group("module:" + item.module.__name__))
 
 
 def pytest_configure(config):
     """pytest 9.2 keeps a test's id where pytest-xdist 3.8 does not write its group (pytest-xdist
-    issue #1386): `--dist loadgroup` would run the tests ungrouped, which can hang."""
+    issue #1386): `--dist loadgroup` would hand the tests out ungrouped, which can hang."""
     from packaging.version import Version
     if (config.getoption("dist", "no") == "loadgroup" and Version(pytest.__version__) >= Version("9.2")
             and Version(_version("pytest-xdist")) <= Version("3.8.0")):
         raise pytest.UsageError(f"pytest-xdist {_version('pytest-xdist')} does not group tests on pytest "
                                 f"{pytest.__version__} (pytest-xdist issue #1386): pip install 'pytest<9.2' "
                                 "(as pip install -e '.[test]' does), or run the tests without -n")
-
-
-@pytest.hookimpl(trylast=True)   # after xdist has (or has not) put the groups into the test ids
-def pytest_collection_finish(session):
-    """The same check on what a worker collected, for versions the one above does not know."""
-    assert not (session.config.getoption("loadgroup", False) and any(
-        item.get_closest_marker("xdist_group") and "@" not in item.nodeid for item in session.items)), \
-        "pytest-xdist did not group the tests (tests/conftest.py)"
 
 
 def pytest_sessionfinish(session, exitstatus):

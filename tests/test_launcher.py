@@ -32,18 +32,13 @@ def test_a_forked_command_ends_as_a_fresh_one(tmp_path, status):
     assert forked.stdout.replace('"tensorflow_started": true', '"tensorflow_started": false') == fresh.stdout
 
 
-def test_a_forked_module_sees_the_argv_and_path_python_m_gives():
-    code = "import json, sys; print(json.dumps([sys.argv, sys.path[0]]))"
-    module = "tests._launcher_probe"
-    path = os.path.join(launcher.REPO, "tests", "_launcher_probe.py")
-    with open(path, "w") as f:
-        f.write(code + "\n")
-    try:
-        forked = launcher.run_module(module, "--x=1")
-        fresh = subprocess.run([sys.executable, "-m", module, "--x=1"], cwd=launcher.REPO, capture_output=True,
-                               text=True, timeout=60)
-    finally:
-        os.remove(path)
+def test_a_forked_module_sees_the_argv_and_path_python_m_gives(tmp_path):
+    # The module lives in a directory of its own, not in the repository, where the tests that
+    # read every source file (test_compat) might meet it half-deleted.
+    (tmp_path / "_launcher_probe.py").write_text("import json, sys; print(json.dumps([sys.argv, sys.path[0]]))\n")
+    forked = launcher.run_module("_launcher_probe", "--x=1", cwd=tmp_path)
+    fresh = subprocess.run([sys.executable, "-m", "_launcher_probe", "--x=1"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60)
     assert forked.returncode == fresh.returncode == 0, forked.stderr + fresh.stderr
     assert forked.stdout == fresh.stdout
 

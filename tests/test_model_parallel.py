@@ -1,6 +1,8 @@
 """Model and hybrid parallelism beyond parity: split shapes, memory, errors, training,
-checkpoints across meshes. In-process DTensor checks use one mesh (1x4) only: a second mesh
-over other devices in one process can hang (BUILD_NOTES.md); other meshes run as commands."""
+checkpoints across meshes. The in-process DTensor checks use the 1x4 mesh and are marked
+`in_process_mesh`: a second mesh over other devices in one process can hang in an order never
+run (BUILD_NOTES.md), so such tests share one process in file order (tests/conftest.py); other
+meshes run as commands."""
 
 import json
 import os

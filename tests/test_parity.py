@@ -92,7 +92,8 @@ SHARED_PROCESS_JOBS = {
         ("hybrid", "batch:2,model:2", "filter_split", "1", "xla=1"),
     ],
 }
-_shared_results = {}
+_shared_results = {}   # one per process: the tests that use it share one (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("parity_worker")
 
 
 def parity_result(strategy, mesh, layouts, steps=1, *options):

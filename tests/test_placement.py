@@ -202,7 +202,7 @@ def test_both_parallelisms_declare_the_interface(devices):
     from tf_multigpu.parallel import Parallelism, make_parallelism
     for par in (make_parallelism("data", devices[:2], 8), make_parallelism("single", devices[:1], 8)):
         assert isinstance(par, Parallelism) and not par.spmd_lowered and par.mesh_shape["model"] == 1
-    # (a DTensor mesh is made in tests/test_model_parallel.py: one mesh per process)
+    # (DTensor meshes are made by the tests marked `in_process_mesh`, in one process: conftest.py)
 
 
 def test_layers_dtensor_refuses_run_their_twin_on_any_layout(mobilenet_v2):

@@ -42,6 +42,7 @@ def test_mixed_precision_data_parallel_step_equals_one_device(dtype, digits_batc
 
 # float16 on CPU is emulated (~100x slower than bfloat16), so it is checked on the smallest
 # mesh; its loss-scaling path is the same code for every strategy.
+@pytest.mark.xdist_group("parity_worker")   # test_parity.parity_result's shared workers
 @pytest.mark.parametrize("strategy, mesh, dtype", [
     ("model", "batch:1,model:2", "bfloat16"), ("hybrid", "batch:2,model:2", "bfloat16"),
     ("model", "batch:1,model:2", "float16")])
@@ -68,6 +69,7 @@ def test_xla_data_parallel_step_equals_one_device(digits_batch, devices):
     assert max_update_difference(before, parallel, single) <= FLOAT32_TOLERANCE
 
 
+@pytest.mark.xdist_group("parity_worker")   # test_parity.parity_result's shared workers
 @pytest.mark.parametrize("strategy, mesh", [("model", "batch:1,model:2"), ("hybrid", "batch:2,model:2")])
 def test_xla_model_and_hybrid_step_equals_one_device(strategy, mesh):
     result = parity_result(strategy, mesh, "filter_split", 1, "xla=1")["filter_split"]
