@@ -306,6 +306,8 @@ def test_kendall_tau_and_unresolved_pairs_of_the_comparison_tool():
     assert module.kendall_tau([1, 2, 3], [10, 20, 30]) == (1.0, [])
     assert module.kendall_tau([1, 2, 3], [10, 30, 20]) == (pytest.approx(1 / 3), [(1, 2)])
     assert module.kendall_tau([1, 2, 3], [3, 2, 1])[0] == -1.0
+    # the table's ranks come from the times shown, not from the order the plans are listed in
+    assert module.ranks([25.0, 29.7, 78.5, 72.8]) == [1, 2, 4, 3]
     # two rounds of three plans: plans 0 and 1 differ by less than plan 1's own spread
     assert module.unresolved_pairs([[1.00, 1.05, 2.0], [1.01, 0.98, 2.1]]) == {(0, 1)}
     assert module.unresolved_pairs([[1.00, 1.05, 2.0]]) == set()   # one round: nothing is unresolved

@@ -55,6 +55,12 @@ def kendall_tau(xs, ys) -> tuple[float, list]:
     return ((concordant - len(disagree)) / pairs if pairs else 1.0), disagree
 
 
+def ranks(values) -> list:
+    """1-based rank of each value, smallest first (a plan's place in the table's order)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    return [order.index(i) + 1 for i in range(len(values))]
+
+
 def unresolved_pairs(runs) -> set:
     """The index pairs of plans whose best measured times differ by less than either plan's
     spread over its own runs (`runs`: one list of times per round): the measurement itself
@@ -137,20 +143,23 @@ def main(argv):
     measured = [min(times) for times in zip(*runs)]
     predicted = [p.step_time_s for p in fastest]
     tau, disagree = kendall_tau(predicted, measured)
-    order = sorted(range(len(plans)), key=lambda i: measured[i])
+    # Ranked by the predictions shown, the fastest profile's per plan: with several profiles
+    # these need not keep the first profile's order, which the plans are listed in.
+    predicted_rank, measured_rank = ranks(predicted), ranks(measured)
     print(f"## {FLAGS.model}, {source.name} {source.image_shape}, global batch {FLAGS.batch_size}, "
           f"{len(devices)} logical CPU devices, at least {FLAGS.steps} steps and {FLAGS.seconds:g} s timed per run, "
           f"best of {FLAGS.rounds} runs and of as many profiles, one before each round\n")
     print("| plan | predicted ms (compute + communication + input) | predicted ms (each profile) "
           "| measured ms (each run) | measured / predicted | predicted rank | measured rank |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for i, p in enumerate(fastest):
+    for i in sorted(range(len(plans)), key=lambda i: predicted_rank[i]):
+        p = fastest[i]
         comm_s = max(p.step_time_s - p.compute_s - p.input_s, 0.0)   # a difference: -0.0 on one device
         parts = f"{p.compute_s * 1e3:.1f} + {comm_s * 1e3:.1f} + {p.input_s * 1e3:.1f}"
         each = ", ".join(f"{r[i] * 1e3:.1f}" for r in runs)
         each_profile = ", ".join(f"{table[p.label].step_time_s * 1e3:.1f}" for _, table in tables)
         print(f"| {p.label} | {predicted[i] * 1e3:.1f} ({parts}) | {each_profile} | {measured[i] * 1e3:.1f} ({each}) | "
-              f"{measured[i] / predicted[i]:.2f} | {i + 1} | {order.index(i) + 1} |")
+              f"{measured[i] / predicted[i]:.2f} | {predicted_rank[i]} | {measured_rank[i]} |")
     ratios = [m / p for m, p in zip(measured, predicted)]
     print(f"\nKendall's tau (predicted vs measured order): {tau:.2f} over {len(plans)} plans; "
           f"measured / predicted from {min(ratios):.2f} to {max(ratios):.2f}.")
