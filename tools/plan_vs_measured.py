@@ -152,7 +152,7 @@ def main(argv):
     print("| plan | predicted ms (compute + communication + input) | predicted ms (each profile) "
           "| measured ms (each run) | measured / predicted | predicted rank | measured rank |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for i in sorted(range(len(plans)), key=lambda i: predicted_rank[i]):
+    for i in sorted(range(len(plans)), key=lambda i: predicted[i]):   # in predicted order
         p = fastest[i]
         comm_s = max(p.step_time_s - p.compute_s - p.input_s, 0.0)   # a difference: -0.0 on one device
         parts = f"{p.compute_s * 1e3:.1f} + {comm_s * 1e3:.1f} + {p.input_s * 1e3:.1f}"
