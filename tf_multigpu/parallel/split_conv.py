@@ -238,13 +238,15 @@ def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True, chu
         raise ValueError(f"padding must be SAME or VALID, got {padding!r}")
     x = tf.convert_to_tensor(x)
     kernel = tf.convert_to_tensor(kernel)
-    if x.dtype == tf.float16:
-        # Accumulate in float32, as cuDNN and oneDNN do for half precision. A float16 einsum
-        # on this machine's CPU (AMD EPYC, no AVX512-FP16) made one model 1x2 step differ from
-        # the stock convolution's by 0.08 (relative update); in float32, by 0.003.
+    if x.dtype in (tf.float16, tf.bfloat16):
+        # Accumulate in float32, as cuDNN and oneDNN do for half precision. The einsums in half
+        # precision sum kh*kw*cin products in it on CPUs without native support: one model 1x2
+        # step differed from the stock convolution's by 0.08 in float16 (AMD EPYC without
+        # AVX512-FP16; 0.003 in float32), and by 0.20 in bfloat16 (AMD EPYC with AVX2 and no
+        # AVX-512; 0.046 in float32, where the data-parallel step is 0.03 from one device's).
         y = split_conv2d(tf.cast(x, tf.float32), tf.cast(kernel, tf.float32), strides, padding,
                          need_input_grad, chunk_bytes)
-        return tf.cast(y, tf.float16)
+        return tf.cast(y, x.dtype)
     kh, kw = kernel.shape[0], kernel.shape[1]
     pads = ((0, 0), (0, 0))
     if s > 1:  # the s2d grid already holds the padding (its dx is ~ x's size, e.g. 228 vs 227)

@@ -63,9 +63,10 @@ def reset_peak_rss() -> bool:
 
 
 def _reset_cpu_allocator_stats() -> bool:
-    """Resets the peak of TensorFlow's CPU allocator; False where it keeps no statistics (it
-    does with oneDNN, TF's default on x86; with TF_ENABLE_ONEDNN_OPTS=0 it keeps none: "Cannot
-    reset memory stats for device 'CPU:0'")."""
+    """Resets the peak of TensorFlow's CPU allocator; False where it keeps no statistics. It
+    keeps them with oneDNN on, and none without ("Cannot reset memory stats for device
+    'CPU:0'"): with TF_ENABLE_ONEDNN_OPTS=0, and by default on CPUs where TensorFlow leaves
+    oneDNN off (TF 2.21 on an AMD EPYC with AVX2 and no AVX-512)."""
     try:
         tf.config.experimental.reset_memory_stats("CPU:0")
         return True
