@@ -1,4 +1,5 @@
-"""The loop: outputs, exact resume, resuming on another strategy, checkpoint refusal."""
+"""The loop: outputs, exact resume, resuming on another strategy, checkpoint refusal, and the
+learning-rate schedules it trains with."""
 
 import dataclasses
 import glob
@@ -14,6 +15,7 @@ from tests.helpers import checkpoint_values, keep_only_checkpoint
 from tf_multigpu.config import Config
 from tf_multigpu.errors import UsageError
 from tf_multigpu.training.loop import train
+from tf_multigpu.training.optimizer import learning_rate_schedule
 
 
 @pytest.fixture
@@ -36,7 +38,7 @@ def test_outputs(cfg, devices):
         for event in tf.compat.v1.train.summary_iterator(event_file):
             tags |= {v.tag for v in event.summary.value}
     assert {"train/loss", "train/accuracy", "train/learning_rate", "train/examples_per_sec",
-            "train/step_time_s", "test/test_accuracy"} <= tags
+            "train/step_time_s", "test/test_loss", "test/test_accuracy"} <= tags
 
 
 def test_resume_ends_with_the_weights_of_an_uninterrupted_run(cfg, tmp_path, devices, capsys):
@@ -54,11 +56,15 @@ def test_resume_ends_with_the_weights_of_an_uninterrupted_run(cfg, tmp_path, dev
         np.testing.assert_array_equal(whole[name], resumed[name], err_msg=name)
 
 
-def test_checkpoint_from_data_parallel_resumes_on_one_device(cfg, tmp_path, devices):
+def test_checkpoint_from_data_parallel_resumes_on_one_device(cfg, tmp_path, devices, capsys):
     train(cfg, devices[:4])
     whole = checkpoint_values(cfg.run_dir)
     keep_only_checkpoint(cfg.run_dir, 4)
+    capsys.readouterr()
     train(dataclasses.replace(cfg, strategy="single"), devices[:1])
+    # Training is deterministic, so a run that ignored ckpt-4 and started again would end
+    # with the same weights: that it resumed is shown by the steps it ran.
+    assert "steps 4..8" in capsys.readouterr().out
     single = checkpoint_values(cfg.run_dir)
     for name in whole:
         if "kernel" in name and "OPTIMIZER_SLOT" not in name:
@@ -154,3 +160,25 @@ def test_no_update_temporary_exists_before_its_gradient(devices):
     assert len(update) >= 6, [op.name for op in update]   # at least m * v and l2 * w of three kernels
     early = [f"{op.type} {op.name}" for op in update if not after_a_gradient(op)]
     assert not early, early
+
+
+# rate at a step, without warm-up, for 100 steps at peak 0.1
+SCHEDULES = {"constant": {0: 0.1, 50: 0.1, 99: 0.1},
+             "step": {0: 0.1, 49: 0.1, 50: 0.01, 74: 0.01, 75: 0.001, 99: 0.001},   # /10 at 50% and 75%
+             "cosine": {0: 0.1, 25: 0.1 * (1 + np.cos(np.pi / 4)) / 2, 50: 0.05, 100: 0.0}}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_learning_rate_schedules_and_their_warm_up(schedule):
+    def rate(step, warmup=0):
+        return float(learning_rate_schedule(0.1, schedule, 100, warmup)(step))
+
+    for step, expected in SCHEDULES[schedule].items():
+        assert rate(step) == pytest.approx(expected, abs=1e-7), step
+    # The same linear warm-up for every schedule: the first step already at peak / 10 (none is
+    # spent at rate 0), the peak at the warm-up's last step.
+    assert [rate(s, 10) for s in range(10)] == pytest.approx([0.01 * (s + 1) for s in range(10)])
+    if schedule == "cosine":   # then the decay spans the steps after the warm-up
+        assert [rate(s, 10) for s in (10, 55, 100)] == pytest.approx([0.1, 0.05, 0.0], abs=1e-7)
+    else:                      # then the schedule's own boundaries, in steps from the start
+        assert [rate(s, 10) for s in range(10, 100)] == pytest.approx([rate(s) for s in range(10, 100)])

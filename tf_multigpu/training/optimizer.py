@@ -77,18 +77,21 @@ def _zero_from(t, split_dims=()):
 
 
 def learning_rate_schedule(peak: float, schedule: str, total_steps: int, warmup_steps: int = 0):
-    """The learning rate as a function of the step (Keras schedules, so it is checkpointed
-    with the optimizer's iteration count)."""
+    """The learning rate as a function of the step, i.e. of the updates done before it (Keras
+    schedules, so it is checkpointed with the optimizer's iteration count).
+
+    Every schedule warms up the same way (`_Warmup`): linearly, the first update already at
+    peak / warmup_steps. "step" divides by 10 once half of the updates are done and again at
+    three quarters; "cosine" decays over the updates after the warm-up, to 0 at the last."""
     total_steps = max(total_steps, 1)
     if schedule == "constant":
         decayed = schedules.PiecewiseConstantDecay([total_steps], [peak, peak])
     elif schedule == "step":   # the paper divided by 10 when progress stalled; here at 50% and 75%
+        # PiecewiseConstantDecay keeps a value up to and including its boundary
         decayed = schedules.PiecewiseConstantDecay(
-            [total_steps // 2, (3 * total_steps) // 4], [peak, peak / 10, peak / 100])
+            [max(total_steps // 2 - 1, 0), max((3 * total_steps) // 4 - 1, 0)], [peak, peak / 10, peak / 100])
     elif schedule == "cosine":
-        return schedules.CosineDecay(0.0 if warmup_steps else peak, max(total_steps - warmup_steps, 1),
-                                     warmup_target=peak if warmup_steps else None,
-                                     warmup_steps=warmup_steps)
+        decayed = _After(schedules.CosineDecay(peak, max(total_steps - warmup_steps, 1)), warmup_steps)
     else:
         raise ValueError(schedule)
     return _Warmup(decayed, peak, warmup_steps) if warmup_steps else decayed
@@ -106,3 +109,16 @@ class _Warmup(schedules.LearningRateSchedule):
 
     def get_config(self):
         return {"after": schedules.serialize(self.after), "peak": self.peak, "steps": self.steps}
+
+
+class _After(schedules.LearningRateSchedule):
+    """`schedule` started `offset` steps late (constant before)."""
+
+    def __init__(self, schedule, offset):
+        self.schedule, self.offset = schedule, offset
+
+    def __call__(self, step):
+        return self.schedule(ops.maximum(ops.cast(step, "float32") - self.offset, 0.0))
+
+    def get_config(self):
+        return {"schedule": schedules.serialize(self.schedule), "offset": self.offset}
