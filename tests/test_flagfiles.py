@@ -19,7 +19,9 @@ PAPER = {   # flagfile -> (strategy, devices used, mesh)
 
 
 def test_every_flagfile_opens_with_its_command():
-    for path in glob.glob(os.path.join(REPO, "flags", "*.flags")):
+    paths = glob.glob(os.path.join(REPO, "flags", "*.flags"))
+    assert len(paths) >= len(PAPER) + 2, paths   # the paper's, their shared flags and the quick start
+    for path in paths:
         first = open(path).readline()
         if os.path.basename(path) == "paper_common.flags":
             assert first.startswith("# Shared by"), path

@@ -227,7 +227,8 @@ def test_trains_on_a_folder_of_jpegs_to_95_percent(digits_jpegs, tmp_path, strat
 
 
 @pytest.mark.slow
-def test_killed_folder_run_resumes_to_the_weights_of_an_uninterrupted_run(digits_jpegs, tmp_path, devices):
+def test_killed_folder_run_resumes_to_the_weights_of_an_uninterrupted_run(digits_jpegs, tmp_path, devices,
+                                                                         capsys):
     cfg = Config(run_dir=str(tmp_path / "whole"), dataset=f"folder:{digits_jpegs}", image_size=32,
                  augment="paper", steps=6, checkpoint_every=3, log_every=3, eval_every=6, batch_size=32,
                  export=False)
@@ -236,7 +237,9 @@ def test_killed_folder_run_resumes_to_the_weights_of_an_uninterrupted_run(digits
     resumed_dir = str(tmp_path / "resumed")
     shutil.copytree(cfg.run_dir, resumed_dir)
     keep_only_checkpoint(resumed_dir, 3)    # as if killed right after the checkpoint of step 3
+    capsys.readouterr()
     train(dataclasses.replace(cfg, run_dir=resumed_dir), devices[:2])
+    assert "steps 3..6" in capsys.readouterr().out   # resumed, not trained again from step 0
     resumed = checkpoint_values(resumed_dir)
     assert whole.keys() == resumed.keys()
     for name in whole:

@@ -31,13 +31,35 @@ def imported_subpackages(subpackage: str) -> dict:
             continue
         tree = ast.parse(open(os.path.join(folder, name)).read())
         for node in ast.walk(tree):
-            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
-            for module in modules:
+            for module in _absolute_names(node, f"tf_multigpu.{subpackage}"):
                 parts = module.split(".")
                 if parts[0] == "tf_multigpu" and len(parts) > 1:
                     found.setdefault(parts[1], []).append(f"{subpackage}/{name}")
     return found
+
+
+def _absolute_names(node, package: str) -> list:
+    """The dotted names an import statement brings in, relative ones resolved against
+    `package`; `from a import b` gives a.b, since b may be a module (`from tf_multigpu
+    import planner`) and otherwise names something inside a, which a.b still locates."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+    module = ".".join(base + (node.module.split(".") if node.module else []))
+    return [f"{module}.{a.name}" for a in node.names]
+
+
+def test_the_import_check_sees_every_form_of_import():
+    forms = {"import tf_multigpu.training.loop": "tf_multigpu.training.loop",
+             "from tf_multigpu import training": "tf_multigpu.training",
+             "from tf_multigpu.training import loop": "tf_multigpu.training.loop",
+             "from ..training import loop": "tf_multigpu.training.loop",
+             "from .. import training": "tf_multigpu.training",
+             "from .memory import x": "tf_multigpu.parallel.memory.x"}
+    for code, name in forms.items():
+        assert _absolute_names(ast.parse(code).body[0], "tf_multigpu.parallel") == [name], code
 
 
 @pytest.mark.parametrize("subpackage", sorted(FORBIDDEN))

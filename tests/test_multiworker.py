@@ -208,10 +208,9 @@ def test_killed_worker_makes_the_other_fail_with_one_line(tmp_path):
     procs = _start_workers(run_dir, tmp_path, ["--strategy=data", "--cpu_devices=2"])
     _wait_for(os.path.join(run_dir, "checkpoints", "ckpt-10.index"), procs)
     procs[1][0].kill()
-    killed_at = time.monotonic()
-    (status, output, errors), _ = _finish(procs, timeout=15 + 60)   # --peer_timeout=15, and exiting
+    # --peer_timeout=15, and exiting; a worker still waiting at the deadline is killed (status -9)
+    (status, output, errors), _ = _finish(procs, timeout=15 + 60)
     assert status == 1, output[-3000:]
-    assert time.monotonic() - killed_at < 60
     errors = [x for x in errors.splitlines() if x.startswith("tf-multigpu-train: error:")]
     assert len(errors) == 1 and "lost contact with another worker" in errors[0], output[-3000:]
     assert "restart every worker with the same command" in errors[0]

@@ -50,7 +50,7 @@ def test_two_steps_with_momentum_match(digits_batch, devices):
     assert max_update_difference(before, data, single) <= TOLERANCE
 
 
-def test_tolerance_catches_a_wrong_loss_scale(digits_batch, devices):
+def test_metric_detects_a_doubled_update(digits_batch, devices):
     """The check can fail: averaging the loss per replica instead of over the global batch
     makes 2 replicas' update twice one device's, the same as doubling the learning rate."""
     source, images, labels = digits_batch

@@ -77,6 +77,45 @@ def test_mobilenet_v2_depthwise_convolutions_follow_their_split_input(mobilenet_
     assert memory["parameters"] < single["parameters"] / 3
 
 
+def test_grouped_and_separable_convolutions_on_split_channels_are_chosen_by_the_plan():
+    """A grouped Conv2D keeps whole groups on each device (no communication); a separable one
+    convolves its channels locally and sums the pointwise products in one all-reduce."""
+    model = keras.Sequential([keras.Input((16, 16, 3)), L.Conv2D(8, 3, name="c1"),
+                              L.Conv2D(8, 3, groups=2, name="grouped"), L.SeparableConv2D(8, 3, name="sep"),
+                              L.GlobalAveragePooling2D(), L.Dense(10, name="logits")], name="m")
+    plan = make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
+    grouped, sep = plan["grouped"], plan["sep"]
+    assert grouped.impl == "SplitGroupedConv2D" and grouped.in_layouts == (CHANNELS,)
+    assert grouped.out_layout == CHANNELS and not grouped.collectives
+    assert plan.specs["m/grouped/kernel"] == ["-", "-", "-", "model"] and plan.specs["m/grouped/bias"] == ["model"]
+    assert sep.impl == "SplitSeparableConv2D" and sep.out_layout == WHOLE
+    assert [(c.op, c.axis, c.phase) for c in sep.collectives] == [("all_reduce", "model", "forward")]
+    assert plan.specs["m/sep/depthwise_kernel"] == plan.specs["m/sep/pointwise_kernel"] == ["-", "-", "model", "-"]
+    # on a whole input (nothing split upstream) both run as they are, replicated
+    whole = make_plan(model, "filter_split", [(".*logits/kernel", "-,model"), (".*logits/bias", "model")],
+                      {"batch": 1, "model": 2})
+    assert whole["grouped"].impl == "" and whole["sep"].impl == "SplitSeparableConv2D"
+    assert whole["grouped"].out_layout == WHOLE and not whole["sep"].collectives
+    with pytest.raises(UsageError, match="layer grouped has 2 groups, which do not divide by the 4 devices"):
+        make_plan(keras.Sequential([keras.Input((16, 16, 3)), L.Conv2D(8, 3, name="c1"),
+                                    L.Conv2D(8, 3, groups=2, name="grouped")]), "filter_split", [],
+                  {"batch": 1, "model": 4})
+
+
+def test_user_layout_rules_replace_the_policy():
+    """--layout_rules: only what the rules name is split, and the plan follows from it."""
+    from tf_multigpu.parallel.layouts import parse_rules
+    model = user_models.renamed_convnet((16, 16, 3), 10)
+    rules = parse_rules(".*iota/kernel=-,model;.*iota/bias=model")
+    plan = make_plan(model, "filter_split", rules, {"batch": 1, "model": 2})
+    assert plan.layout == "rules"
+    assert {p: s for p, s in plan.specs.items() if "model" in s} == {"iota/kernel": ["-", "model"],
+                                                                      "iota/bias": ["model"]}
+    assert plan["alpha"].impl == "" and plan["iota"].impl == "GatherDense" and plan["iota"].out_layout == CHANNELS
+    whole = make_plan(model, "", [], {"batch": 1, "model": 1})
+    assert bytes_per_device(plan, 8)["parameters"] < bytes_per_device(whole, 8)["parameters"]
+
+
 def test_sharded_optimizer_state_halves_the_momentum_of_a_hybrid_pair_of_groups(resnet50):
     """--shard_optimizer_state: each slot takes `batch` on its first unsplit dimension that
     divides (a bias split on `model` keeps its variable's spec), the memory estimate counts

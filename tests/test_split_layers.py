@@ -376,7 +376,8 @@ def test_split_grouped_conv_equals_keras(devices, name, b, m):
 def test_split_layers_keep_the_stock_weights_names_and_config(stock, split, kw):
     a, b = stock(name="layer", **kw), split.from_config(stock(name="layer", **kw).get_config())   # as the plan swaps
     assert isinstance(b, stock) and a.get_config() == b.get_config()
-    assert M.SPLIT_AWARE.get(stock, M.SplitGroupedConv2D) is split
+    if stock is not keras.layers.Conv2D:   # a grouped Conv2D is the plan's choice (test_placement)
+        assert M.SPLIT_AWARE[stock] is split
     if a.weights or hasattr(a, "kernel_size"):
         a.build((1, 8, 8, 4))
         b.build((1, 8, 8, 4))
