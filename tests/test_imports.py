@@ -17,7 +17,7 @@ FORBIDDEN = {
     "training": {"planner"},   # --strategy=auto is resolved by the entry point
     "models": {"parallel", "training", "planner", "config"},
     "data": {"parallel", "training", "planner", "config"},
-    "parallel": {"training", "planner", "config"},
+    "parallel": {"training", "planner", "config", "cli"},   # cli reads the flags
     "config": {"training", "data", "models", "export", "profiling"},
 }
 

@@ -32,7 +32,7 @@ def main(argv):
     try:
         cfg = run_flags.config_from_flags()
         from tf_multigpu.parallel import cluster as clusters  # pure Python (Slurm's resolver starts TensorFlow)
-        cluster = clusters.resolve_cluster(cfg.worker_hosts, cfg.task_index)
+        cluster = clusters.resolve_cluster(cfg.worker_hosts, cfg.task_index, start_tensorflow=cli.start_tensorflow)
         # before TensorFlow starts, and before a worker waits for its peers
         check_dataset_flags(cfg.dataset, cfg.image_size, cfg.augment, cfg.test_fraction, cfg.skip_bad_images)
         check_before_start(cfg, cluster)

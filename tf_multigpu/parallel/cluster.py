@@ -20,6 +20,7 @@ seconds, so a dead peer turns into an error on the survivors instead of a hang.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -53,14 +54,17 @@ class Cluster:
 
 
 def resolve_cluster(worker_hosts: str = "", task_index: int | None = None,
-                    environ=os.environ) -> Cluster | None:
-    """The cluster this process belongs to, or None for a single-process run."""
+                    environ=os.environ, start_tensorflow=None) -> Cluster | None:
+    """The cluster this process belongs to, or None for a single-process run.
+
+    `start_tensorflow`: how the entry point starts TensorFlow (quietly: cli.start_tensorflow),
+    for Slurm's resolver, the one source that needs it; plain `import tensorflow` if None."""
     if worker_hosts:   # (--task_index without --worker_hosts: Config.validate refuses it)
         return _from_flags(worker_hosts, task_index)
     if environ.get("TF_CONFIG"):
         return _from_tf_config(environ["TF_CONFIG"])
     if int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1")) or 1) > 1:
-        return _from_slurm()
+        return _from_slurm(start_tensorflow or (lambda: importlib.import_module("tensorflow")))
     return None
 
 
@@ -109,9 +113,8 @@ def _from_tf_config(text: str) -> Cluster:
     return Cluster(hosts, position, "TF_CONFIG")
 
 
-def _from_slurm(port_base: int = 8888) -> Cluster:
-    from tf_multigpu.cli import start_tensorflow
-    tf = start_tensorflow()   # quietly: the entry point resolves the cluster before it starts TensorFlow
+def _from_slurm(start_tensorflow, port_base: int = 8888) -> Cluster:
+    tf = start_tensorflow()   # the entry point resolves the cluster before it starts TensorFlow
     SlurmClusterResolver = tf.distribute.cluster_resolver.SlurmClusterResolver
     try:
         if shutil.which("nvidia-smi"):   # GPUs: the resolver gives each task its share

@@ -75,7 +75,9 @@ from tf_multigpu.planner.device_profile import (
 # DTensorAllReduceOp` in the comm report), on top of gathering the logits for the accuracy.
 SOFTMAX_EXCHANGE_VALUES = 3
 # What a training step returns, summed over the batch axis: one scalar all-reduce each under DTensor.
-STEP_SCALARS = ("loss_sum", "correct", "count")   # training/step.SCALARS (the planner does not import training)
+# training/step.SCALARS, spelled out: step.py imports TensorFlow, and this module is the plan's
+# arithmetic, which must not (the config checks a --profile before TensorFlow starts).
+STEP_SCALARS = ("loss_sum", "correct", "count")
 
 
 @dataclasses.dataclass(frozen=True)
