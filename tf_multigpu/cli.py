@@ -62,14 +62,30 @@ def run(main, prog: str, flag_names=()) -> None:
     app.run(main_with_logging, flags_parser=flags_parser(prog))
 
 
+# Flags that name files or directories: a leading ~ is the user's home, as a shell would
+# have made it had the value not followed "--flag=" (bash expands ~ only at a word's start).
+PATH_FLAGS = ("run_dir", "data_dir", "export_dir", "checkpoint", "out_dir", "profile")
+
+
 def flags_parser(prog: str):
-    """A `flags_parser` for `absl.app.run`: absl's parser, with a bad flag as a usage error."""
+    """A `flags_parser` for `absl.app.run`: absl's parser, with a bad flag as a usage error,
+    and ~ expanded in the path flags (`--dataset=folder:~/...` too)."""
 
     def parse(argv):
         try:
-            return flags.FLAGS(argv)
+            argv = flags.FLAGS(argv)
         except flags.Error as e:
-            fail(prog, f"{e} (see --help)")
+            message = str(e).removeprefix("ERROR:: ").strip()
+            if "Unable to open flagfile" in message:
+                fail(prog, f"{message}: a --flagfile path (also one inside a flagfile) is relative to the "
+                           "current directory: run from the repository root, or give an absolute path")
+            fail(prog, f"{message} (see --help)")
+        for name in PATH_FLAGS:
+            if name in flags.FLAGS and isinstance(flags.FLAGS[name].value, str):
+                setattr(flags.FLAGS, name, os.path.expanduser(flags.FLAGS[name].value))
+        if "dataset" in flags.FLAGS and str(flags.FLAGS.dataset).startswith("folder:~"):
+            flags.FLAGS.dataset = "folder:" + os.path.expanduser(flags.FLAGS.dataset[len("folder:"):])
+        return argv
 
     return parse
 

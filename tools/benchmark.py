@@ -1,6 +1,6 @@
 """Benchmark sweep: strategy x devices x global batch x model, with peers, tables and plots.
 
-    python -m tools.benchmark --smoke --out_dir=runs/bench_smoke          # CI-sized, < 1 min
+    python -m tools.benchmark --smoke --out_dir=runs/bench_smoke          # CI-sized, about 1 min
     python -m tools.benchmark --paper --cpu_devices=4 --out_dir=runs/paper  # the paper's 5 configs
     python -m tools.benchmark --paper --image_size=112 --cpu_devices=4 --out_dir=runs/paper112
     python -m tools.benchmark --models=small_convnet --image_size=64 --devices=1,2,4 \

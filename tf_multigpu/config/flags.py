@@ -31,8 +31,9 @@ flags.DEFINE_string("strategy", _D.strategy, f"How to use the devices: one of {'
 flags.DEFINE_string("mesh", _D.mesh, "Device mesh for model/hybrid: batch:B,model:M with B*M = devices. "
                     "Default: batch:1,model:N for model; batch:N/2,model:2 for hybrid.")
 flags.DEFINE_string("layout", _D.layout, f"Model-parallel layout policy: one of {', '.join(LAYOUTS)}. "
-                    "filter_split: conv filters and hidden dense units split (the paper); fc_only: "
-                    "dense layers split, convs replicated on the model axis; conv_data_fc_model "
+                    "filter_split: conv filters and dense units (the classifier's too, where they "
+                    "divide) split (the paper); fc_only: dense layers split, convs replicated on "
+                    "the model axis; conv_data_fc_model "
                     "(--strategy=model only): convs data parallel over all devices, the batch "
                     "all-gathered before the first dense layer, dense layers split over all devices "
                     "(Krizhevsky 2014's \"one weird trick\").")
