@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 from tests.helpers import exit_before_tensorflow, serve_digits
+from tf_multigpu.config import Config
 
 USAGE_ERROR = 2
 
@@ -38,11 +39,12 @@ def previous_run(tmp_path_factory):
     (["--model=resnet"], "unknown --model='resnet': choose one of alexnet, small_convnet"),
     (["--dataset=mnist"], "unknown --dataset='mnist': choose one of digits, synthetic, tfds:NAME"),
     (["--strategy=pipeline"], "unknown --strategy='pipeline': choose one of single, data"),
-    (["--batch_size=63"], "does not divide by the 2 replicas: use a multiple of 2, e.g. --batch_size=62"),
+    (["--batch_size=63", "--run_dir=NEW"],
+     "does not divide by the 2 replicas: use a multiple of 2, e.g. --batch_size=62"),
     (["--num_devices=4", "--cpu_devices=2"], "--num_devices=4 but only 2 CPU devices exist"),
     (["--learning_rate=-0.1"], "--learning_rate=-0.1 must be > 0"),
     (["--dataset=tfds:cifar10", "--data_dir=/nonexistent"], "--data_dir=/nonexistent is not a readable directory"),
-    (["--dataset=tfds:cifar10", "--data_dir=/tmp"], "is not prepared in /tmp"),
+    (["--dataset=tfds:cifar10", "--data_dir=/tmp"], "holds a run with other settings (--dataset: 'digits' -> "),
     (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
     (["--batch_size=sixty"], "--batch_size"),
     (["--seed=5"], "holds a run with other settings (--seed: 0 -> 5)"),
@@ -51,6 +53,7 @@ def previous_run(tmp_path_factory):
 ])
 def test_bad_input_is_one_line_exit_2_and_keeps_earlier_results(previous_run, flags, needle):
     before = _fingerprint(previous_run)
+    flags = [f"--run_dir={previous_run}_new" if f == "--run_dir=NEW" else f for f in flags]   # not a resume
     done = run_cli(f"--run_dir={previous_run}", *flags)
     assert done.returncode == USAGE_ERROR, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("tf-multigpu-train: error:")]
@@ -148,10 +151,22 @@ def test_a_usage_error_prints_exactly_one_line_tensorflow_start_up_included(tmp_
     (["--strategy=hybrid", "--cpu_devices=4", "--mesh=batch:4,model:1"], "needs both mesh axes > 1"),
     (["--num_devices=4", "--cpu_devices=2"], "--num_devices=4 but only 2 CPU devices exist: use --cpu_devices>=4"),
     (["--strategy=single", "--worker_hosts=a:1,b:2", "--task_index=0"], "--strategy=single runs on one device"),
+    (["--model=resnet"], "unknown --model='resnet': choose one of alexnet, small_convnet"),
+    (["--run_dir=FILE"], "is a file, not a directory: give a directory path"),
+    (["--run_dir=RUN", "--seed=5"], "holds a run with other settings (--seed: 0 -> 5)"),
+    (["--dataset=tfds:cifar10", "--data_dir=~/no_such_dir"], f"--data_dir={os.path.expanduser('~')}/no_such_dir "),
+    (["--flagfile=flags/paper_1gpu.flags", "--flagfile=no_such.flags"], "run from the repository root"),
 ])
 def test_what_the_flags_decide_is_refused_before_tensorflow_starts(tmp_path, flags, message):
     """The plan on --cpu_devices devices and the cluster are checked before TensorFlow is
     imported: a mistyped mesh costs a fraction of a second, not the runtime's start-up."""
+    if "--run_dir=RUN" in flags:   # a run directory holding another run's config
+        (tmp_path / "RUN").mkdir()
+        (tmp_path / "RUN" / "config.json").write_text(Config(run_dir=str(tmp_path / "RUN")).to_json())
+        flags = [f"--run_dir={tmp_path / 'RUN'}" if f == "--run_dir=RUN" else f for f in flags]
+    if "--run_dir=FILE" in flags:
+        (tmp_path / "FILE").write_text("")
+        flags = [f"--run_dir={tmp_path / 'FILE'}" if f == "--run_dir=FILE" else f for f in flags]
     status, imported, line = exit_before_tensorflow("tf_multigpu.train", "tf-multigpu-train",
                                                     f"--run_dir={tmp_path / 'X'}", *flags)
     assert (status, imported) == (USAGE_ERROR, False), line

@@ -2,8 +2,9 @@
 
 import pytest
 
+from tf_multigpu.config.config import MODELS
 from tf_multigpu.errors import UsageError
-from tf_multigpu.models import build_model
+from tf_multigpu.models import REGISTRY, build_model
 
 
 def test_alexnet_matches_the_paper():
@@ -41,3 +42,8 @@ def test_bad_model_names(name, needle):
     with pytest.raises(UsageError, match=None) as e:
         build_model(name, (8, 8, 1), 10)
     assert needle in str(e.value)
+
+
+def test_the_config_knows_the_registrys_names():
+    """The config refuses an unknown --model before TensorFlow starts, from its own list."""
+    assert sorted(MODELS) == sorted(REGISTRY)

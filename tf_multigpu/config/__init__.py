@@ -6,6 +6,7 @@ from tf_multigpu.config.config import (
     RESULT_FIELDS,
     Config,
     check_exportable_run,
+    check_previous_run,
     check_resumable,
     load_config,
     no_checkpoint,
@@ -14,4 +15,4 @@ from tf_multigpu.config.plan_checks import check_before_start, check_cluster, ch
 from tf_multigpu.config.run_paths import RunPaths
 
 __all__ = ["Config", "RESULT_FIELDS", "RunPaths", "check_before_start", "check_cluster", "check_plan",
-           "check_exportable_run", "check_resumable", "load_config", "no_checkpoint"]
+           "check_exportable_run", "check_previous_run", "check_resumable", "load_config", "no_checkpoint"]

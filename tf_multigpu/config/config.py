@@ -29,6 +29,7 @@ ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "one_device")
 LR_SCHEDULES = ("constant", "step", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
 AUGMENTS = ("auto", "none", "paper")   # data/augment.py
+MODELS = ("alexnet", "small_convnet")   # models.REGISTRY's names (models/ imports Keras; a test pins both)
 
 BATCHNORMS = ("sync", "per_replica")
 
@@ -110,6 +111,9 @@ class Config:
         _one_of("all_reduce", self.all_reduce, ALL_REDUCE)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("dtype", self.dtype, DTYPES)
+        if ":" not in self.model and self.model not in MODELS:   # the same message as models.get_factory's
+            raise UsageError(f"unknown --model={self.model!r}: choose one of {', '.join(MODELS)}, "
+                             "or package.module:function")
         _at_least("batch_size", self.batch_size, 1)
         _at_least("num_devices", self.num_devices, 0)
         _at_least("cpu_devices", self.cpu_devices, 0)
@@ -252,6 +256,21 @@ def check_exportable_run(run_dir: str, checkpoint: str | None = None) -> Config:
     if checkpoint is None and not glob.glob(os.path.join(RunPaths(run_dir).checkpoints, "*.index")):
         raise no_checkpoint(run_dir)
     return cfg
+
+
+def check_previous_run(cfg: Config) -> RunPaths:
+    """Refuses a run directory that is unusable or holds a different run; writes nothing.
+    Pure Python: the entry point applies it before TensorFlow starts, the run again."""
+    paths = RunPaths(os.path.abspath(cfg.run_dir))
+    if os.path.exists(paths.root) and not os.path.isdir(paths.root):
+        raise UsageError(f"--run_dir={cfg.run_dir} is a file, not a directory: give a directory path")
+    if os.path.exists(paths.config):
+        try:
+            previous = load_config(paths.config)
+        except (OSError, ValueError, TypeError) as e:
+            raise UsageError(f"{paths.config} is unreadable ({e}): use a new --run_dir") from None
+        check_resumable(previous, cfg)
+    return paths
 
 
 def check_resumable(previous: Config, current: Config) -> None:

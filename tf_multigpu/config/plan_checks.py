@@ -12,17 +12,16 @@ of which kind) or the cluster (how many workers) is checked here, with the fix i
   builds it: the command, the tests, the benchmark worker.
 - `check_before_start(cfg, cluster)`: what the flags alone decide, for the entry point to
   call before TensorFlow starts (several seconds on a CPU machine, most of a failed
-  command's time): the cluster's rules and, where --cpu_devices names the devices, the whole
-  plan. What needs the runtime (GPUs, the model, the data set's files) is checked after, and
-  so is the run directory: an unknown --model names the mistake better than "holds a run
-  with other settings" does.
+  command's time): the cluster's rules, where --cpu_devices names the devices the whole
+  plan, and last the run directory (a file, or another run's). What needs the runtime (GPUs,
+  the model's shapes, the data set's files) is checked after.
 
 Pure Python, like the rest of config/: the mesh rules read `parallel/mesh_spec.py`.
 """
 
 from __future__ import annotations
 
-from tf_multigpu.config.config import Config
+from tf_multigpu.config.config import Config, check_previous_run
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL
 from tf_multigpu.parallel.mesh_spec import check_device_count, mesh_for, replicas_for
@@ -59,6 +58,7 @@ def check_before_start(cfg: Config, cluster=None) -> None:
         used = 1 if cfg.strategy == "single" else cfg.num_devices or cfg.cpu_devices
         check_device_count(used, cfg.cpu_devices, "CPU")
         check_plan(cfg, [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(used)])
+    check_previous_run(cfg)   # again when the run starts (build_run): library callers skip this function
 
 
 def check_plan(cfg: Config, devices, cluster=None) -> None:

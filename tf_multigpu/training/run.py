@@ -18,7 +18,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from tf_multigpu.config import Config, RunPaths, check_plan
+from tf_multigpu.config import Config, RunPaths, check_plan, check_previous_run
 from tf_multigpu.data import ImageSource, load_source
 from tf_multigpu.data.pipeline import steps_per_epoch, test_dataset, train_dataset
 from tf_multigpu.errors import DoesNotFit, UsageError
@@ -28,7 +28,6 @@ from tf_multigpu.parallel.base import host_scalars
 from tf_multigpu.parallel.memory import bytes_per_device
 from tf_multigpu.parallel.stateless_dropout import use_step
 from tf_multigpu.profiling.memory_measured import MemoryMeter
-from tf_multigpu.training import run_dir
 from tf_multigpu.training.optimizer import MomentumSGD, learning_rate_schedule
 from tf_multigpu.training.step import make_eval_step, make_train_step
 from tf_multigpu.training.workers import WorkerRole
@@ -106,7 +105,7 @@ def build_run(cfg: Config, devices: list[str], runtime=None, *, source: ImageSou
                            shard_optimizer_state=cfg.shard_optimizer_state)
     role = WorkerRole(runtime, shared_checkpoints=cfg.strategy in ("model", "hybrid"))
     per_epoch = steps_per_epoch(source, cfg.batch_size)
-    paths = run_dir.check_previous_run(cfg) if cfg.run_dir else None
+    paths = check_previous_run(cfg) if cfg.run_dir else None
     total_steps = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * per_epoch)
 
     meter = MemoryMeter(par.devices)   # before the model: the baseline its measurement starts from

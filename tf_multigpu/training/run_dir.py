@@ -1,4 +1,5 @@
-"""What a run does with its directory: refuse an unusable one, resume from what an earlier run
+"""What a run does with its directory: refuse an unusable one (`check_previous_run`, in config:
+the entry point applies it before TensorFlow starts), resume from what an earlier run
 left, write files atomically. Where each file lives is `config.RunPaths`'s alone (export
 reads the same layout without importing training).
 
@@ -13,24 +14,10 @@ import os
 
 import tensorflow as tf
 
-from tf_multigpu.config import Config, RunPaths, check_resumable, load_config
+from tf_multigpu.config import RunPaths
 from tf_multigpu.errors import UsageError
 
 KEEP_CHECKPOINTS = 3
-
-
-def check_previous_run(cfg: Config) -> RunPaths:
-    """Refuses a run directory that is unusable or holds a different run; writes nothing."""
-    paths = RunPaths(os.path.abspath(cfg.run_dir))
-    if os.path.exists(paths.root) and not os.path.isdir(paths.root):
-        raise UsageError(f"--run_dir={cfg.run_dir} is a file, not a directory: give a directory path")
-    if os.path.exists(paths.config):
-        try:
-            previous = load_config(paths.config)
-        except (OSError, ValueError, TypeError) as e:
-            raise UsageError(f"{paths.config} is unreadable ({e}): use a new --run_dir") from None
-        check_resumable(previous, cfg)
-    return paths
 
 
 def restore_latest(checkpoint: tf.train.Checkpoint, paths: RunPaths) -> tf.train.CheckpointManager:
