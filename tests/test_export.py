@@ -243,6 +243,17 @@ def test_run_without_checkpoints_is_one_line_exit_2_before_tensorflow_starts(tmp
         assert (status, imported) == (USAGE_ERROR, False), line
         assert line.startswith("tf-multigpu-export: error: ") and needle in line, line
     assert os.listdir(tmp_path) == ["config.json"]
+    # With a checkpoint: a --checkpoint that is none, an --export_dir that is a file.
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "ckpt-1.index").write_bytes(b"")
+    (tmp_path / "a_file").write_text("kept")
+    for args, needle in [([f"--checkpoint={tmp_path / 'checkpoints' / 'ckpt-9'}"], "is not a checkpoint (no "),
+                         ([f"--export_dir={tmp_path / 'a_file'}"], "is a file: give a new directory")]:
+        status, imported, line = exit_before_tensorflow("tf_multigpu.export_main", "tf-multigpu-export",
+                                                        f"--run_dir={tmp_path}", *args)
+        assert (status, imported) == (USAGE_ERROR, False), line
+        assert needle in line, line
+    assert (tmp_path / "a_file").read_text() == "kept"
 
 
 def test_bad_checkpoints_are_refused(runs, tmp_path):

@@ -34,7 +34,7 @@ def main(argv):
     if not FLAGS.run_dir:
         _fail("--run_dir is required: give the --run_dir of a training run")
     try:
-        check_exportable_run(FLAGS.run_dir, FLAGS.checkpoint)   # what the files decide, before TensorFlow starts
+        check_exportable_run(FLAGS.run_dir, FLAGS.checkpoint, FLAGS.export_dir)   # what the files decide, before TF
         cli.start_tensorflow()
         from tf_multigpu.export import export_from_checkpoint  # imports TensorFlow
         result = export_from_checkpoint(FLAGS.run_dir, FLAGS.checkpoint, FLAGS.export_dir, FLAGS.evaluate)

@@ -17,12 +17,13 @@ from absl import flags
 from tf_multigpu import cli
 from tf_multigpu.config.workload_flags import check_workload_flags, define_workload_flags
 from tf_multigpu.errors import UsageError
+from tf_multigpu.planner.device_profile import builtin_names  # pure Python
 
 PROG = "tf-multigpu-plan"
 
 _WORKLOAD = define_workload_flags()   # the data set gives the input shape and classes
-flags.DEFINE_string("profile", "measure", "A shipped device profile (titan_pcie3, yadan2013, p100_dgx1, k20_pcie3, "
-                    "v100_nvlink, a100_pcie4, h100_nvlink, h200_nvlink), a path to a profile .json, or "
+flags.DEFINE_string("profile", "measure", f"A shipped device profile ({', '.join(builtin_names())}), "
+                    "a path to a profile .json, or "
                     "'measure' to benchmark the devices of this machine for a few seconds. yadan2013 and "
                     "p100_dgx1 also print their published table beside the planner's predictions.")
 flags.DEFINE_string("all_reduce", "auto", "The gradient reduction a data-parallel run would use, as "
@@ -32,6 +33,7 @@ flags.DEFINE_integer("cpu_devices", 0, "With --profile=measure: measure N logica
 flags.DEFINE_float("grad_overlap", 0.0, "Fraction of the gradient all-reduce assumed hidden behind compute.")
 flags.DEFINE_string("out_dir", None, "Also write plan.md and plan.json here.")
 FLAGS = flags.FLAGS
+_ZERO_MEANS = {"num_devices": "the profile's devices, or all found", "cpu_devices": "GPUs, or the CPU"}
 _OWN_FLAGS = _WORKLOAD + ("profile", "all_reduce", "num_devices", "cpu_devices", "grad_overlap", "out_dir")
 
 
@@ -60,21 +62,26 @@ def main(argv):
 
 def _plan():
     """The ranked table for the flags (UsageError on bad input)."""
+    # What the flags decide, before TensorFlow starts (the planner's profiles and algorithms
+    # are pure Python).
     check_workload_flags()
-    if FLAGS.num_devices < 0 or FLAGS.cpu_devices < 0:
-        raise UsageError("--num_devices and --cpu_devices must be >= 0")
+    for name in ("num_devices", "cpu_devices"):
+        if FLAGS[name].value < 0:
+            raise UsageError(f"--{name}={FLAGS[name].value} must be >= 0 (0: {_ZERO_MEANS[name]})")
     if not 0 <= FLAGS.grad_overlap <= 1:
-        raise UsageError(f"--grad_overlap={FLAGS.grad_overlap} must be in [0, 1]")
-    cli.start_tensorflow()
+        raise UsageError(f"--grad_overlap={FLAGS.grad_overlap} must be in [0, 1], e.g. --grad_overlap=0.5")
     from tf_multigpu import planner
     from tf_multigpu.planner.comm import FLAG_ALGORITHM
     if FLAGS.all_reduce not in FLAG_ALGORITHM:
-        raise UsageError(f"--all_reduce={FLAGS.all_reduce} is not one of {', '.join(FLAG_ALGORITHM)}")
+        raise UsageError(f"unknown --all_reduce={FLAGS.all_reduce!r}: choose one of {', '.join(FLAG_ALGORITHM)}")
+    if FLAGS.out_dir and os.path.exists(FLAGS.out_dir) and not os.path.isdir(FLAGS.out_dir):
+        raise UsageError(f"--out_dir={FLAGS.out_dir} is a file: give a directory for plan.md and plan.json")
     profile = None
     if FLAGS.profile != "measure":
         if FLAGS.cpu_devices:
             raise UsageError("--cpu_devices applies to --profile=measure only: drop it or measure")
-        profile = planner.load(FLAGS.profile)   # before the model: a bad name fails fast
+        profile = planner.load(FLAGS.profile)
+    cli.start_tensorflow()
     from tf_multigpu.data import load_source
     from tf_multigpu.models import build_model, get_factory
     get_factory(FLAGS.model)

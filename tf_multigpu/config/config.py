@@ -29,6 +29,7 @@ ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "one_device")
 LR_SCHEDULES = ("constant", "step", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
 AUGMENTS = ("auto", "none", "paper")   # data/augment.py
+SAVED_MODEL_FILE = "saved_model.pb"   # what marks a directory as an export (check_export_dir)
 MODELS = ("alexnet", "small_convnet")   # models.REGISTRY's names (models/ imports Keras; a test pins both)
 
 BATCHNORMS = ("sync", "per_replica")
@@ -111,9 +112,7 @@ class Config:
         _one_of("all_reduce", self.all_reduce, ALL_REDUCE)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("dtype", self.dtype, DTYPES)
-        if ":" not in self.model and self.model not in MODELS:   # the same message as models.get_factory's
-            raise UsageError(f"unknown --model={self.model!r}: choose one of {', '.join(MODELS)}, "
-                             "or package.module:function")
+        check_model_name(self.model)
         _at_least("batch_size", self.batch_size, 1)
         _at_least("num_devices", self.num_devices, 0)
         _at_least("cpu_devices", self.cpu_devices, 0)
@@ -183,6 +182,8 @@ class Config:
                 raise UsageError(f"--profile applies to --strategy=auto, not {self.strategy}: drop --profile")
             from tf_multigpu.planner.device_profile import load
             load(self.profile)   # a bad name fails here, with the shipped names in the message
+        if self.data_dir is not None and not self.dataset.startswith("tfds:"):
+            raise UsageError(f"--data_dir applies to --dataset=tfds:NAME, not {self.dataset}: drop --data_dir")
         if self.data_dir is not None and not os.access(self.data_dir, os.R_OK | os.X_OK):
             raise UsageError(f"--data_dir={self.data_dir} is not a readable directory: "
                              "point it at the TFDS data directory (e.g. ~/tensorflow_datasets)")
@@ -247,15 +248,42 @@ def no_checkpoint(run_dir: str) -> UsageError:
                       f"(tf-multigpu-train --run_dir={run_dir}) or pass --checkpoint=PATH")
 
 
-def check_exportable_run(run_dir: str, checkpoint: str | None = None) -> Config:
+def check_exportable_run(run_dir: str, checkpoint: str | None = None, export_dir: str | None = None) -> Config:
     """What the run directory's files alone decide about exporting it, checked before
-    TensorFlow starts (a tenth of a second, not six): a training run's config.json, and
-    without --checkpoint, at least one checkpoint's index file. Returns the run's Config.
+    TensorFlow starts (a tenth of a second, not six): a training run's config.json, a
+    --checkpoint's index file or else at least one checkpoint's, and an --export_dir that is
+    ours to replace (`check_export_dir`). Returns the run's Config.
     (Whether the latest checkpoint is readable needs TensorFlow: export/from_checkpoint.py.)"""
     cfg = load_run_config(run_dir)
     if checkpoint is None and not glob.glob(os.path.join(RunPaths(run_dir).checkpoints, "*.index")):
         raise no_checkpoint(run_dir)
+    if (checkpoint is not None and "://" not in checkpoint   # a local path (gs:// is TensorFlow's to read)
+            and not os.path.isdir(checkpoint) and not os.path.exists(checkpoint + ".index")):
+        raise UsageError(f"--checkpoint={checkpoint} is not a checkpoint (no {checkpoint}.index): "
+                         "give a prefix such as RUN_DIR/checkpoints/ckpt-100, without .index")
+    check_export_dir(os.path.abspath(export_dir or RunPaths(run_dir).export))
     return cfg
+
+
+def check_export_dir(export_dir: str) -> None:
+    """Refuses a target that cannot be written (under a file) or is not ours to replace (a
+    file, or a directory with other contents).
+
+    The export replaces the whole directory, so a mistyped --export_dir=$HOME must not be
+    taken for an old export.
+    """
+    if os.path.isfile(export_dir):
+        raise UsageError(f"--export_dir={export_dir} is a file: give a new directory or an earlier export")
+    ancestor = os.path.dirname(export_dir)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"cannot write the export to {export_dir}: {ancestor} is a file, not a directory; "
+                         "choose another --export_dir")
+    if os.path.isdir(export_dir) and os.listdir(export_dir) and not os.path.exists(
+            os.path.join(export_dir, SAVED_MODEL_FILE)):
+        raise UsageError(f"--export_dir={export_dir} holds files that are not a SavedModel: "
+                         "give a new directory or an earlier export (it is replaced as a whole)")
 
 
 def check_previous_run(cfg: Config) -> RunPaths:
@@ -281,6 +309,13 @@ def check_resumable(previous: Config, current: Config) -> None:
         raise UsageError(
             f"--run_dir={current.run_dir} holds a run with other settings ({'; '.join(changed)}): "
             "use a new --run_dir, or the same flags to resume it")
+
+
+def check_model_name(name: str) -> None:
+    """Refuses a --model that is neither a registry name nor package.module:function (the same
+    message as models.get_factory's, without importing Keras)."""
+    if ":" not in name and name not in MODELS:
+        raise UsageError(f"unknown --model={name!r}: choose one of {', '.join(MODELS)}, or package.module:function")
 
 
 def _one_of(name, value, allowed):

@@ -22,7 +22,7 @@ from tf_multigpu.config import RunPaths, check_exportable_run, no_checkpoint
 from tf_multigpu.data import load_source
 from tf_multigpu.data.source import ImageSource
 from tf_multigpu.errors import UsageError
-from tf_multigpu.export.saved_model import check_export_dir, export_saved_model
+from tf_multigpu.export.saved_model import export_saved_model
 from tf_multigpu.models import build_model
 
 _STEP_KEY = "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"
@@ -33,10 +33,9 @@ def export_from_checkpoint(run_dir: str, checkpoint: str | None = None, export_d
                            evaluate: bool = True) -> dict:
     """Exports a checkpoint of the run in `run_dir` (default: its latest) to `export_dir`
     (default: RUN_DIR/export); returns the metadata written, with `export_dir` added."""
-    cfg = check_exportable_run(run_dir, checkpoint)
+    cfg = check_exportable_run(run_dir, checkpoint, export_dir)   # the export dir too: before the long part
     checkpoint = find_checkpoint(run_dir, checkpoint)
     export_dir = os.path.abspath(export_dir or RunPaths(run_dir).export)
-    check_export_dir(export_dir)   # before the (possibly long) build and evaluation
 
     # The run's own data options: the same test split, crops and left-out files as in training.
     source = load_source(cfg.dataset, cfg.data_dir, cfg.image_size, augment=cfg.augment,
@@ -76,10 +75,13 @@ def restore_weights(model: keras.Model, checkpoint: str) -> None:
     """Loads every weight of `model` from a training checkpoint; UsageError if any is missing."""
     try:
         status = tf.train.Checkpoint(model=model).restore(checkpoint).expect_partial()
-    except Exception as e:  # noqa: BLE001  shape mismatch: ValueError; truncated file: IndexError...
+    except Exception as e:  # noqa: BLE001  shape mismatch: ValueError; truncated file: IndexError, OpError...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"checkpoint {checkpoint} does not fit the run's model ({first[:200]}): "
-                         "pass a --checkpoint of this run") from None
+        if isinstance(e, ValueError):
+            raise UsageError(f"checkpoint {checkpoint} does not fit the run's model ({first[:200]}): "
+                             "pass a --checkpoint of this run") from None
+        raise UsageError(f"checkpoint {checkpoint} cannot be read ({first[:200]}): it is damaged; pass an earlier "
+                         "one of this run with --checkpoint (RUN_DIR/checkpoints keeps the last 3)") from None
     try:
         # Fails for every weight of the model that found no value in the checkpoint. (The
         # dropout RNG state is not a checkpoint dependency of the model, so it is not asked for.)

@@ -27,6 +27,7 @@ import shutil
 import keras
 import tensorflow as tf
 
+from tf_multigpu.config.config import check_export_dir
 from tf_multigpu.data.source import ImageSource
 from tf_multigpu.errors import UsageError
 
@@ -35,7 +36,6 @@ FLOAT_SIGNATURE = "serving_float"
 INPUT_NAME = "images"
 METADATA_FILE = os.path.join("assets.extra", "metadata.json")   # TF Serving's place for extras
 KERAS_FILE = os.path.join("assets.extra", "model.keras")
-SAVED_MODEL_FILE = "saved_model.pb"
 
 
 def export_saved_model(model: keras.Model, source: ImageSource, export_dir: str, metadata: dict,
@@ -64,27 +64,6 @@ def export_saved_model(model: keras.Model, source: ImageSource, export_dir: str,
         raise UsageError(f"cannot write the export to {export_dir} ({_reason(e)}): "
                          "choose a writable --export_dir or free space; the previous export is untouched") from None
     return export_dir
-
-
-def check_export_dir(export_dir: str) -> None:
-    """Refuses a target that cannot be written (under a file) or is not ours to replace (a
-    file, or a directory with other contents).
-
-    The export replaces the whole directory, so a mistyped --export_dir=$HOME must not be
-    taken for an old export.
-    """
-    if os.path.isfile(export_dir):
-        raise UsageError(f"--export_dir={export_dir} is a file: give a new directory or an earlier export")
-    ancestor = os.path.dirname(export_dir)
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise UsageError(f"cannot write the export to {export_dir}: {ancestor} is a file, not a directory; "
-                         "choose another --export_dir")
-    if os.path.isdir(export_dir) and os.listdir(export_dir) and not os.path.exists(
-            os.path.join(export_dir, SAVED_MODEL_FILE)):
-        raise UsageError(f"--export_dir={export_dir} holds files that are not a SavedModel: "
-                         "give a new directory or an earlier export (it is replaced as a whole)")
 
 
 def _serving_archive(model: keras.Model, source: ImageSource) -> keras.export.ExportArchive:
