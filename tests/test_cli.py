@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 from tests.helpers import exit_before_tensorflow, serve_digits
+from tests.launcher import run_module
 from tf_multigpu.config import Config
 
 USAGE_ERROR = 2
@@ -74,6 +75,15 @@ def test_missing_run_dir():
     done = run_cli()
     assert done.returncode == USAGE_ERROR
     assert "--run_dir is required" in done.stderr
+
+
+@pytest.mark.parametrize("module", ["tf_multigpu.train", "tf_multigpu.plan_main", "tf_multigpu.export_main",
+                                    "tools.benchmark"])
+def test_help_is_printed_with_exit_status_0(module):
+    """Asking for --help is not a failure (absl alone exits 1), and lists the command's flags."""
+    done = run_module(module, "--help")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--batch_size" in done.stdout or "--run_dir" in done.stdout, done.stdout[:2000]
 
 
 @pytest.mark.slow

@@ -135,7 +135,8 @@ def test_gather_lowering_is_chosen_by_the_mesh_and_the_user_wins(monkeypatch):
 
 @pytest.mark.parametrize("flags, needle", [
     (["--strategy=hybrid", "--cpu_devices=4", "--mesh=batch:4,model:1"], "--strategy=hybrid needs both mesh axes > 1"),
-    (["--strategy=model", "--cpu_devices=2", "--mesh=batch:2,model:2"], "needs 4 devices but 2 are used"),
+    (["--strategy=model", "--cpu_devices=2", "--mesh=batch:2,model:2"],
+     "needs 4 devices but 2 are used: make B*M = 2, or use 4 devices (--cpu_devices=4)"),
     (["--strategy=model", "--mesh=model:two"], "is not batch:B,model:M"),
     (["--strategy=model", "--layout=pipeline"], "unknown --layout='pipeline': choose one of filter_split, fc_only"),
     (["--strategy=model", "--layout_rules=.*conv9/kernel=-,-,-,model"], "match no variable"),

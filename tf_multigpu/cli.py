@@ -36,6 +36,7 @@ _QUIET_LEVEL = "2"   # TensorFlow's C++ log level by default: errors only
 _CPP_LOG = re.compile(r"^([IWEF])\d{4} ")
 _SEVERITY = "IWEF"
 _OURS = "TF_MULTIGPU_QUIET"   # "1": TF_CPP_MIN_LOG_LEVEL is our default, not the user's
+_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")   # absl's
 _PRE_INIT_BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 
 
@@ -59,7 +60,13 @@ def run(main, prog: str, flag_names=()) -> None:
         configure_logging(flags.FLAGS.verbose)
         return main(argv)
 
-    app.run(main_with_logging, flags_parser=flags_parser(prog))
+    try:
+        app.run(main_with_logging, flags_parser=flags_parser(prog))
+    except SystemExit as e:
+        # absl exits 1 after printing the help it was asked for; asking is not a failure.
+        if e.code == 1 and any(arg.split("=")[0] in _HELP_FLAGS for arg in sys.argv[1:]):
+            sys.exit(0)
+        raise
 
 
 # Flags that name files or directories: a leading ~ is the user's home, as a shell would

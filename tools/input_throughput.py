@@ -80,6 +80,9 @@ def step_images_per_sec(source, devices):
 def main(argv):
     if len(argv) > 1:
         cli.fail(PROG, f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+    if FLAGS.strategy not in ("single", "data"):
+        cli.fail(PROG, f"--strategy={FLAGS.strategy}: the input pipeline is timed against a single or data "
+                       "parallel step; give --strategy=single or --strategy=data")
     logging.set_verbosity(logging.ERROR)
     cli.start_tensorflow()
     from tf_multigpu.parallel import configure_devices

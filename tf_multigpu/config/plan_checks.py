@@ -74,7 +74,8 @@ def check_plan(cfg: Config, devices, cluster=None) -> None:
                          "use --all_reduce=auto or one_device")
     if cfg.strategy in ("model", "hybrid"):
         shape = mesh_for(cfg.strategy, cfg.mesh_shape, num_devices)
-        _check_mesh(cfg.strategy, shape, num_devices, num_devices // cluster.num_workers if cluster else 0)
+        _check_mesh(cfg.strategy, shape, num_devices, num_devices // cluster.num_workers if cluster else 0,
+                    on_cpus=all("CPU" in d.upper() for d in devices))
         if cfg.layout in BATCH_ON_MODEL and cfg.batch_size % shape["model"]:
             raise UsageError(f"--batch_size={cfg.batch_size} (the global batch) does not divide by the "
                              f"{shape['model']} devices {cfg.layout} splits it over: use a multiple "
@@ -87,9 +88,11 @@ def check_plan(cfg: Config, devices, cluster=None) -> None:
             f"{replicas} replicas: use a multiple of {replicas}, e.g. --batch_size={lower or replicas}")
 
 
-def _check_mesh(strategy: str, mesh_shape: dict, num_devices: int, devices_per_worker: int = 0) -> None:
+def _check_mesh(strategy: str, mesh_shape: dict, num_devices: int, devices_per_worker: int = 0,
+                on_cpus: bool = False) -> None:
     """The mesh must use exactly the devices, and match the strategy (and, across workers,
-    give each worker whole batch groups, or a whole number of workers to each group)."""
+    give each worker whole batch groups, or a whole number of workers to each group).
+    `on_cpus`: the devices are logical CPUs, which --cpu_devices makes more of."""
     b, m = mesh_shape["batch"], mesh_shape["model"]
     per = devices_per_worker
     if per and b * m == num_devices and per % m and m % per:
@@ -97,8 +100,9 @@ def _check_mesh(strategy: str, mesh_shape: dict, num_devices: int, devices_per_w
                          "divide or be a multiple of the devices per worker, "
                          f"e.g. --mesh=batch:{num_devices // per},model:{per}")
     if b * m != num_devices:
+        more = f"--cpu_devices={b * m}" if on_cpus else f"--num_devices={b * m}"
         raise UsageError(f"--mesh=batch:{b},model:{m} needs {b * m} devices but {num_devices} are used: "
-                         f"make B*M = {num_devices} or set --num_devices={b * m}")
+                         f"make B*M = {num_devices}, or use {b * m} devices ({more})")
     if strategy == "model" and b != 1:
         raise UsageError(f"--strategy=model puts every device on the model axis, not --mesh=batch:{b},model:{m}: "
                          "use --strategy=hybrid or --mesh=batch:1,model:N")

@@ -59,7 +59,8 @@ def parse_rules(text: str) -> list[tuple[str, str]]:
         try:
             re.compile(regex)
         except re.error as e:
-            raise UsageError(f"--layout_rules regex {regex!r} is invalid ({e})") from None
+            raise UsageError(f"--layout_rules regex {regex!r} is invalid ({e}): give a Python regular expression "
+                             "over variable paths, e.g. '.*conv1/kernel=-,-,-,model'") from None
         for axis in spec.split(","):
             if axis not in (UNSPLIT, *AXES):
                 raise UsageError(f"--layout_rules spec {spec!r}: each dimension is '-', 'batch' or 'model'")
