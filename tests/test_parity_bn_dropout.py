@@ -12,13 +12,14 @@ import pytest
 import tensorflow as tf
 
 from tests.helpers import checkpoint_values, max_update_difference, one_step
-from tests.user_models import small_resnet_bn
+from tests.user_models import small_resnet_bn, spatial_dropout_convnet
 from tf_multigpu.compat import new_mirrored_collective_keys
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.parallel import make_parallelism
-from tf_multigpu.parallel.stateless_dropout import StatelessDropout, stateless_dropout
+from tf_multigpu.parallel.stateless_dropout import StatelessDropout, random_layers, stateless_dropout
 from tf_multigpu.training.loop import train
+from tf_multigpu.training.run import build_model_and_optimizer
 
 BN_MODEL = "tests.user_models:small_resnet_bn"
 
@@ -79,7 +80,35 @@ def test_swap_keeps_the_config_and_the_seed_of_the_stock_layer():
     assert type(swapped) is StatelessDropout and swapped.name == "drop1" and swapped.rate == 0.3
     assert swapped.seed == int(stock.seed_generator.state.numpy()[0])
     assert not swapped.variables   # no RNG state: the mask is a function of the step
-    assert type(stateless_dropout(keras.layers.SpatialDropout2D(0.3))) is keras.layers.SpatialDropout2D
+    spatial = stateless_dropout(keras.layers.SpatialDropout2D(0.3, seed=4))   # one mask value per channel
+    assert type(spatial) is StatelessDropout and spatial.noise_shape == (None, 1, 1, None) and spatial.seed == 4
+    first = stateless_dropout(keras.layers.SpatialDropout2D(0.3, data_format="channels_first"))
+    assert first.noise_shape == (None, None, 1, 1)
+    assert type(stateless_dropout(keras.layers.GaussianNoise(0.1))) is keras.layers.GaussianNoise
+
+
+def test_spatial_dropout_drops_whole_feature_maps_as_one_device_does(digits_batch, devices):
+    """SpatialDropout2D, made device-independent: data parallelism's update is one device's,
+    and the layer really drops (the same step at rate 0 moves the weights otherwise)."""
+    source, images, labels = digits_batch
+    model = "tests.user_models:spatial_dropout_convnet"
+    before, single = one_step("single", devices, source, images, labels, model=model)
+    _, data = one_step("data", devices[:2], source, images, labels, model=model)
+    assert max_update_difference(before, data, single) <= 1e-5
+    layer = StatelessDropout(0.5, noise_shape=(None, 1, 1, None), seed=1, name="spatial")
+    layer.use_step(tf.Variable(0, dtype=tf.int64))
+    out = layer(tf.ones([4, 5, 5, 8]), training=True).numpy()
+    assert (out == out[:, :1, :1]).all() and 0 < (out == 0).mean() < 1   # whole maps kept or dropped
+
+
+def test_layers_that_draw_their_own_noise_are_named(devices, capsys):
+    par = make_parallelism("data", devices[:2], 8)
+    model = par.build_model(lambda: spatial_dropout_convnet((8, 8, 1), 10, noise=True))
+    assert random_layers(model) == ["noise"]
+    assert random_layers(par.build_model(lambda: spatial_dropout_convnet((8, 8, 1), 10))) == []
+    cfg = Config(strategy="data", batch_size=8, model="tests.user_models:spatial_dropout_convnet")
+    build_model_and_optimizer(cfg, par, load_source("digits"), 10, noise=True)
+    assert "note: noise draw their own random numbers on each device" in capsys.readouterr().out
 
 
 def test_dropout_is_on_in_the_parity_steps(digits_batch, devices):

@@ -21,6 +21,19 @@ def small_convnet_no_dropout(input_shape, num_classes):
     return small_convnet(input_shape, num_classes, dropout=0.0)
 
 
+def spatial_dropout_convnet(input_shape, num_classes, noise=False):
+    """Convolutions with SpatialDropout2D between them (whole feature maps dropped), and with
+    noise=True a GaussianNoise layer, which draws its own noise on each device."""
+    L = keras.layers
+    layers = [keras.Input(input_shape), L.Conv2D(16, 3, padding="same", activation="relu", name="conv1"),
+              L.SpatialDropout2D(0.5, name="spatial_drop"), L.Conv2D(16, 3, padding="same", activation="relu",
+                                                                   name="conv2")]
+    if noise:
+        layers.append(L.GaussianNoise(0.1, name="noise"))
+    layers += [L.GlobalAveragePooling2D(), L.Dense(num_classes, name="logits")]
+    return keras.Sequential(layers, name="spatial_dropout_convnet")
+
+
 def resnet50(input_shape, num_classes, **_):
     """keras.applications' ResNet-50 (random weights), logits out: a model we did not write."""
     return keras.applications.ResNet50(weights=None, input_shape=input_shape, classes=num_classes,

@@ -35,11 +35,12 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tf_multigpu.compat import keras_name_scope_path
+from tf_multigpu.compat import all_layers, keras_name_scope_path
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel import split_layers, split_layers_modern
 from tf_multigpu.parallel.layouts import UNSPLIT
 from tf_multigpu.parallel.placement import PlacementPlan, make_plan
+from tf_multigpu.parallel.stateless_dropout import replaced as dropout_replaced
 from tf_multigpu.parallel.stateless_dropout import stateless_dropout
 
 U = dtensor.UNSHARDED
@@ -299,8 +300,8 @@ def _rng_states(model) -> list:
     """The model's variables that are not weights (RNG states), except stock Dropouts' (the
     clone's StatelessDropouts replace those and hold none)."""
     weights = {id(w) for w in model.weights}
-    dropout_states = {id(layer.seed_generator.state) for layer in model._flatten_layers()
-                      if type(layer) is keras.layers.Dropout and hasattr(layer, "seed_generator")}
+    dropout_states = {id(layer.seed_generator.state) for layer in all_layers(model)
+                      if dropout_replaced(layer) and hasattr(layer, "seed_generator")}
     return [v for v in model.variables if id(v) not in weights and id(v) not in dropout_states]
 
 

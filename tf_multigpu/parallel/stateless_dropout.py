@@ -33,6 +33,8 @@ import zlib
 import keras
 import tensorflow as tf
 
+from tf_multigpu.compat import all_layers
+
 _U32 = tf.uint32
 
 
@@ -116,20 +118,49 @@ def stateless_dropout(layer):
     with the same config, its seed taken from the stock layer's seed generator (so it follows
     keras.utils.set_random_seed as the stock layer did); any other layer is a fresh copy.
 
-    Only the exact class keras.layers.Dropout is replaced: subclasses (SpatialDropout*, a
-    user's own) draw masks their own way and are copied as they are.
+    keras.layers.Dropout and SpatialDropout1D/2D/3D are replaced (a spatial dropout is a
+    dropout whose mask has one value per example and channel: `noise_shape` 1 on the spatial
+    axes). Other layers that draw random numbers (GaussianNoise, GaussianDropout, AlphaDropout,
+    a user's own Dropout subclass) are copied as they are: they draw per device, a valid
+    noise but not one device's (`random_layers` names them for a note).
     """
-    if type(layer) is not keras.layers.Dropout:
+    if not replaced(layer):
         return layer.__class__.from_config(layer.get_config())
+    spatial = _SPATIAL.get(type(layer))
     config = layer.get_config()
+    if spatial is not None:
+        first = config.pop("data_format", "channels_last") == "channels_first"
+        config["noise_shape"] = (None, None, *[1] * spatial) if first else (None, *[1] * spatial, None)
     if config["seed"] is None:
         generator = getattr(layer, "seed_generator", None)   # absent when rate == 0
         config["seed"] = int(generator.state.numpy()[0]) if generator is not None else 0
     return StatelessDropout.from_config(config)
 
 
+def replaced(layer) -> bool:
+    """Whether stateless_dropout replaces `layer` by a StatelessDropout."""
+    return type(layer) is keras.layers.Dropout or type(layer) in _SPATIAL
+
+
+# Spatial dropouts, by their number of spatial axes.
+_SPATIAL = {keras.layers.SpatialDropout1D: 1, keras.layers.SpatialDropout2D: 2, keras.layers.SpatialDropout3D: 3}
+# Stock layers that draw random numbers in training and that stateless_dropout leaves as they are.
+_RANDOM = (keras.layers.GaussianNoise, keras.layers.GaussianDropout, keras.layers.AlphaDropout)
+
+
+def random_layers(model) -> list:
+    """The names of `model`'s layers that draw their own random numbers in training and are
+    not made stateless: per device, their noise differs from one device's."""
+    def draws(layer) -> bool:
+        own_dropout = isinstance(layer, keras.layers.Dropout) and not isinstance(layer, StatelessDropout) and \
+            not replaced(layer)   # a user's subclass
+        return isinstance(layer, _RANDOM) or own_dropout
+
+    return [layer.name for layer in all_layers(model) if draws(layer)]
+
+
 def use_step(model, step) -> None:
     """Gives every StatelessDropout of `model` (nested models included) its step counter."""
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in all_layers(model):
         if isinstance(layer, StatelessDropout):
             layer.use_step(step)

@@ -19,6 +19,7 @@ import tensorflow as tf
 from tf_multigpu import compat
 from tf_multigpu.compat import new_mirrored_collective_keys
 from tf_multigpu.parallel.placement import make_plan
+from tf_multigpu.parallel.stateless_dropout import replaced as dropout_replaced
 from tf_multigpu.parallel.stateless_dropout import stateless_dropout
 
 _SUM = tf.distribute.ReduceOp.SUM
@@ -37,8 +38,9 @@ def cross_device_ops(name: str, devices) -> tf.distribute.CrossDeviceOps | None:
 
 
 def _swapped(layer, batchnorm: str) -> bool:
-    """Whether build_model replaces this layer (a stock Dropout, or BatchNorm to synchronise)."""
-    return type(layer) is keras.layers.Dropout or (
+    """Whether build_model replaces this layer (a stock Dropout or SpatialDropout, or BatchNorm
+    to synchronise)."""
+    return dropout_replaced(layer) or (
         type(layer) is keras.layers.BatchNormalization and batchnorm == "sync" and not layer.synchronized)
 
 

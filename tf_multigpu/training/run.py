@@ -26,7 +26,7 @@ from tf_multigpu.models import build_model, get_factory
 from tf_multigpu.parallel import Parallelism, make_parallelism
 from tf_multigpu.parallel.base import host_scalars
 from tf_multigpu.parallel.memory import bytes_per_device
-from tf_multigpu.parallel.stateless_dropout import use_step
+from tf_multigpu.parallel.stateless_dropout import random_layers, use_step
 from tf_multigpu.profiling.memory_measured import MemoryMeter
 from tf_multigpu.training.optimizer import MomentumSGD, learning_rate_schedule
 from tf_multigpu.training.step import make_eval_step, make_train_step
@@ -193,4 +193,8 @@ def build_model_and_optimizer(cfg: Config, par, source, total_steps: int, **mode
         optimizer.build(model.trainable_variables)
     # Dropout masks are drawn per step: the step is the optimizer's (checkpointed) count.
     use_step(model, optimizer.iterations)
+    drawing = random_layers(model)
+    if drawing and len(par.devices) > 1:
+        print(f"note: {', '.join(drawing)} draw their own random numbers on each device: a valid noise, but "
+              "not one device's (Dropout and SpatialDropout layers are made device-independent)", flush=True)
     return model, optimizer
