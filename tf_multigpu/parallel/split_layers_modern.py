@@ -4,12 +4,13 @@ Activations are NHWC (or [B, units]) with the batch on mesh axis `batch` and the
 either split on `model` or whole. What each stock layer needs on channel-split activations
 (tests/test_split_layers.py checks every row on 1x2 and 2x2 meshes against one device):
 
-  runs unchanged (PASS_THROUGH), output stays split, no `model` traffic:
+  runs unchanged (placement.ELEMENTWISE), output stays split, no `model` traffic:
       BatchNormalization (per-channel statistics; DTensor's reduction over the batch-sharded
       dim all-reduces them over `batch`, so they are the global batch's, moving averages
-      included), Activation, ReLU, Rescaling, ZeroPadding2D, GlobalAveragePooling2D,
-      GlobalMaxPooling2D, Dropout (rate 0 exact; rate > 0 draws its own masks, see
-      BUILD_NOTES), and any merge whose operands already share one layout.
+      included), Activation, ReLU, LeakyReLU, ELU, Rescaling, ZeroPadding2D, Cropping2D,
+      Identity, GlobalAveragePooling2D, GlobalMaxPooling2D, Dropout and SpatialDropout2D
+      (made stateless by the converter), GaussianNoise/GaussianDropout (their own noise per
+      device), and any merge whose operands already share one layout.
   replaced here (DTensor refuses the stock op on split channels):
       AveragePooling2D  -> SliceAvgPool2D        (AvgPoolGrad has no layout propagation)
       DepthwiseConv2D   -> SplitDepthwiseConv2D  (DepthwiseConv2dNativeBackprop* neither)
@@ -39,10 +40,6 @@ from tf_multigpu.errors import UsageError
 
 U = dtensor.UNSHARDED
 
-# Stock layers verified exact and layout-keeping on channel-split activations.
-PASS_THROUGH = (keras.layers.BatchNormalization, keras.layers.Activation, keras.layers.ReLU,
-                keras.layers.Rescaling, keras.layers.ZeroPadding2D, keras.layers.GlobalAveragePooling2D,
-                keras.layers.GlobalMaxPooling2D, keras.layers.Dropout)
 _BN_SPECS = {"gamma": "model", "beta": "model", "moving_mean": "model", "moving_variance": "model"}
 STOCK_VARIABLE_SPECS = {keras.layers.BatchNormalization: _BN_SPECS}
 
