@@ -34,9 +34,9 @@ from __future__ import annotations
 import re
 
 from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.mesh_spec import AXES
 
 UNSPLIT = "-"
-AXES = ("batch", "model")
 
 # policy -> the Keras layer classes (names in keras.layers) whose kernels it splits on outputs
 SPLIT_TYPES = {

@@ -62,7 +62,7 @@ import numpy as np
 from tf_multigpu.compat import inbound_layer_names, producer_name
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import UNSPLIT, assign_specs
-from tf_multigpu.parallel.split_layers_modern import SPLIT_AWARE, STOCK_VARIABLE_SPECS, SplitGroupedConv2D
+from tf_multigpu.parallel.split_layers_modern import MERGES, SPLIT_AWARE, STOCK_VARIABLE_SPECS, SplitGroupedConv2D
 
 WHOLE, CHANNELS, ROWS = "whole", "channels", "rows"
 BYTES_PER_VALUE = 4   # float32 activations, parameters, gradients and slots
@@ -74,7 +74,6 @@ ELEMENTWISE = (L.Activation, L.ReLU, L.LeakyReLU, L.ELU, L.Rescaling, L.Dropout,
                L.GaussianNoise, L.GaussianDropout, L.ZeroPadding2D, L.Cropping2D, L.Identity,
                L.BatchNormalization, L.GlobalAveragePooling2D, L.GlobalMaxPooling2D)
 _NOT_PER_CHANNEL_ACTIVATIONS = ("softmax", "log_softmax")
-MERGES = (L.Add, L.Subtract, L.Multiply, L.Average, L.Maximum, L.Minimum)
 # Stock layers whose backward DTensor refuses on every layout ("'tf.AvgPoolGrad' op does not
 # implement layout propagation", the same for DepthwiseConv2dNativeBackpropInput/Filter): on a
 # mesh they always run their split-aware twin, which is exact on whole inputs too.
@@ -375,7 +374,7 @@ class _Walker:
             return "", (ROWS if self.batch_on_model else WHOLE), False, False, ""
         x = ins[0]
         kernel = node.weight("kernel")
-        if _is(node, *MERGES) or _is(node, L.Concatenate):
+        if _is(node, *MERGES):   # Add, ..., Minimum and Concatenate
             return self._merge(node, ins)
         if _is(node, L.Conv2D):
             if node.config.get("groups", 1) > 1:

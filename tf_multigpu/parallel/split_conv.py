@@ -43,8 +43,8 @@ import tensorflow as tf
 __all__ = ["CHUNK_BYTES", "row_chunks", "split_conv2d"]
 
 
-def _same_pads(n: int, k: int, s: int) -> tuple[int, int]:
-    """tf.nn.conv2d's SAME padding (extra pixel goes to the bottom/right)."""
+def same_pads(n: int, k: int, s: int) -> tuple[int, int]:
+    """tf.nn.conv2d's SAME padding of one spatial dim (the extra pixel goes bottom/right)."""
     out = -(-n // s)
     total = max((out - 1) * s + k - n, 0)
     return total // 2, total - total // 2
@@ -60,7 +60,7 @@ def _space_to_depth(x, w, s: int, padding: str):
     """
     kh, kw, c, o = w.shape
     h, wd = x.shape[1], x.shape[2]
-    (pt, pb), (pl, pr) = ((_same_pads(h, kh, s), _same_pads(wd, kw, s)) if padding == "SAME"
+    (pt, pb), (pl, pr) = ((same_pads(h, kh, s), same_pads(wd, kw, s)) if padding == "SAME"
                           else ((0, 0), (0, 0)))
     oh, ow = (h + pt + pb - kh) // s + 1, (wd + pl + pr - kw) // s + 1
     KH, KW = -(-kh // s), -(-kw // s)
@@ -252,7 +252,7 @@ def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True, chu
     if s > 1:  # the s2d grid already holds the padding (its dx is ~ x's size, e.g. 228 vs 227)
         x, kernel = _space_to_depth(x, kernel, s, padding)
     elif padding == "SAME":
-        pads = (_same_pads(x.shape[1], kh, 1), _same_pads(x.shape[2], kw, 1))
+        pads = (same_pads(x.shape[1], kh, 1), same_pads(x.shape[2], kw, 1))
     return _conv_s1(x, kernel, pads, need_input_grad, chunk_bytes)
 
 

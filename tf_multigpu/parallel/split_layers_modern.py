@@ -37,6 +37,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.split_conv import same_pads as _same_pads
 
 U = dtensor.UNSHARDED
 
@@ -73,12 +74,6 @@ class _OnMesh:
 
 
 # -- pooling -------------------------------------------------------------------------------
-def _same_pads(n: int, k: int, s: int) -> tuple[int, int]:
-    """TensorFlow's SAME padding of one spatial dim (the extra cell goes bottom/right)."""
-    total = max((-(-n // s) - 1) * s + k - n, 0)
-    return total // 2, total - total // 2
-
-
 def _pads(x, kernel_size, strides, padding):
     """((top, bottom), (left, right)) zero padding of x's H and W for `padding`."""
     if padding == "valid":

@@ -32,9 +32,7 @@ import numpy as np
 
 from tf_multigpu.parallel import memory
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL
-from tf_multigpu.parallel.placement import CHANNELS, WHOLE, make_plan, model_graph
-
-BYTES_PER_VALUE = 4   # float32 parameters, gradients, slots and activations
+from tf_multigpu.parallel.placement import BYTES_PER_VALUE, WHOLE, make_plan, model_graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +80,6 @@ class ModelCost:
     @property
     def fwd_flops(self) -> float:
         return sum(layer.fwd_flops for layer in self.layers)
-
-    @property
-    def input_elems(self) -> int:
-        return int(np.prod(self.input_shape))
 
 
 def analyze(model: keras.Model) -> ModelCost:
@@ -140,13 +134,11 @@ class LayerPlacement:
 
     name: str
     role: str                  # "" (stock layer) or the split_layers class it becomes
-    split_output: bool
     fwd_flops: float           # per example, this device's share
     bwd_flops: float
     split_conv_flops: float    # the part of fwd+bwd run by the im2col formulation
     param_bytes: int           # this device's shards
     grad_bytes: int            # this device's gradient shards (trainable weights)
-    activation_bytes: int      # per example kept for the backward, this device's share
     collectives: tuple = ()
     rows_split: bool = False   # runs on rows split over `model` (conv_data_fc_model, before the gather)
     input_grad: bool = True    # computes its input's gradient (a first layer does not)
@@ -180,10 +172,10 @@ def placement(cost: ModelCost, layout: str | None, mesh_shape: dict) -> list[Lay
         if placed is plan.layers[-1]:   # split logits gathered for the loss (the plan's step-level collective)
             collectives += tuple(c for c in plan.collectives if c.layer == "loss")
         out.append(LayerPlacement(
-            layer.name, placed.impl, placed.out_layout == CHANNELS, fwd, bwd, conv_flops,
+            layer.name, placed.impl, fwd, bwd, conv_flops,
             sum(plan.local_elems(p, s) for p, s in layer.weights.items()) * BYTES_PER_VALUE,
             sum(plan.local_elems(p, layer.weights[p]) for p in layer.trainable) * BYTES_PER_VALUE,
-            memory.saved_elems(plan, placed) * BYTES_PER_VALUE, collectives, placed.rows, placed.needs_input_grad))
+            collectives, placed.rows, placed.needs_input_grad))
     return out
 
 

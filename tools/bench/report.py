@@ -13,6 +13,8 @@ import csv
 import json
 import statistics
 
+import numpy as np
+
 from tools.bench.configs import PAPER_CONFIGS, PAPER_NAMES, PAPER_SPEEDUP, PEERS, config_label
 
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_slots", "activations", "total")
@@ -173,12 +175,8 @@ def _statistics(raw: dict) -> dict:
 
 
 def _quantile(values, q):
-    """Linear-interpolated quantile (numpy's default), for short lists."""
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    """Linear-interpolated quantile (numpy's default), as a float for the JSON report."""
+    return float(np.quantile(values, q))
 
 
 def _find(rows, like, **changes):
