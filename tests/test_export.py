@@ -96,7 +96,8 @@ def runs(tmp_path_factory):
     out = {}
     for strategy, num_devices in STRATEGIES.items():
         run_dir = str(tmp_path_factory.mktemp(strategy) / "run")
-        cfg = Config(run_dir=run_dir, strategy=strategy, steps=6, batch_size=32, log_every=3, seed=3)
+        cfg = Config(run_dir=run_dir, strategy=strategy, steps=6, batch_size=32, log_every=3, seed=3,
+                     checkpoint_every=3)   # ckpt-3 and ckpt-6: an earlier checkpoint to export
         summary, model = _train_keeping_the_live_model(cfg, DEVICES[:num_devices])
         logits = model(source.preprocess(images), training=False).numpy()
         out[strategy] = {"run_dir": run_dir, "summary": summary, "logits": logits, "labels": labels,
@@ -159,6 +160,25 @@ def test_export_from_checkpoint_equals_the_end_of_run_export(runs, served, cli_e
     # Measured again at export on one device: the same accuracy as the run's own evaluation.
     assert metadata["metrics"]["test_accuracy"] == pytest.approx(run["summary"]["test_accuracy"], abs=1e-9)
     assert metadata["metrics"]["test_loss"] == pytest.approx(run["summary"]["test_loss"], rel=1e-4)
+
+
+def test_export_of_an_earlier_checkpoint_holds_its_weights(runs, tmp_path):
+    """--checkpoint=RUN_DIR/checkpoints/ckpt-3 exports step 3's weights, not the latest's."""
+    run_dir = runs["single"]["run_dir"]
+    earlier = os.path.join(run_dir, "checkpoints", "ckpt-3")
+    export_dir = str(tmp_path / "at_step_3")
+    done = _export_cli(f"--run_dir={run_dir}", f"--checkpoint={earlier}", f"--export_dir={export_dir}",
+                       "--noevaluate")
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = json.loads(done.stdout.strip().splitlines()[-1])
+    metadata = json.load(open(os.path.join(export_dir, METADATA_FILE)))
+    assert printed["step"] == metadata["step"] == 3 and printed["checkpoint"] == metadata["checkpoint"] == earlier
+    kernel = keras.models.load_model(os.path.join(export_dir, KERAS_FILE)).get_layer("conv1").kernel.numpy()
+    at = {step: tf.train.load_checkpoint(os.path.join(run_dir, "checkpoints", f"ckpt-{step}")) for step in (3, 6)}
+    key = next(k for k, shape in at[3].get_variable_to_shape_map().items()
+               if shape == list(kernel.shape) and "OPTIMIZER_SLOT" not in k)
+    np.testing.assert_array_equal(kernel, at[3].get_tensor(key))
+    assert not np.array_equal(kernel, at[6].get_tensor(key))
 
 
 def test_metadata_describes_the_export(runs):

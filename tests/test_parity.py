@@ -42,6 +42,15 @@ def test_data_parallel_step_equals_one_device(num_devices, digits_batch, single_
     assert max_update_difference(before, data, single) <= TOLERANCE
 
 
+def test_reduction_through_one_device_equals_one_device(digits_batch, single_step, devices):
+    """--all_reduce=one_device (the paper's star: gradients summed on one device); nccl and
+    hierarchical_copy need GPUs, and the config refuses them on CPUs."""
+    source, images, labels = digits_batch
+    before, single = single_step
+    _, data = one_step("data", devices[:4], source, images, labels, all_reduce="one_device")
+    assert max_update_difference(before, data, single) <= TOLERANCE
+
+
 def test_two_steps_with_momentum_match(digits_batch, devices):
     """Momentum and weight decay state stays in step too, not just the first gradient."""
     source, images, labels = digits_batch

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import tensorflow as tf
 
 from tests.conftest import run_cli
 from tests.helpers import max_update_difference, one_step
@@ -42,6 +43,16 @@ def test_mixed_precision_data_parallel_step_equals_one_device(dtype, digits_batc
 
 # float16 on CPU is emulated (~100x slower than bfloat16), so it is checked on the smallest
 # mesh; its loss-scaling path is the same code for every strategy.
+def test_xla_really_compiles_the_step(digits_batch, devices):
+    """--xla is not dropped on the way: an op XLA cannot compile (a host Python function)
+    trains without it and fails the step with it."""
+    source, images, labels = digits_batch
+    model = "tests.user_models:host_op_convnet"
+    one_step("data", devices[:2], source, images, labels, model=model)
+    with pytest.raises(tf.errors.OpError, match="(?i)xla|unsupported|compil"):
+        one_step("data", devices[:2], source, images, labels, model=model, xla=True)
+
+
 @pytest.mark.xdist_group("parity_worker")   # test_parity.parity_result's shared workers
 @pytest.mark.parametrize("strategy, mesh, dtype", [
     ("model", "batch:1,model:2", "bfloat16"), ("hybrid", "batch:2,model:2", "bfloat16"),

@@ -109,3 +109,20 @@ def small_resnet_bn(input_shape, num_classes):
     x = layers.GlobalAveragePooling2D()(x)
     return keras.Model(images, layers.Dense(num_classes)(x), name="small_resnet_bn")
 
+
+
+class _HostIdentity(keras.layers.Layer):
+    """The identity through tf.py_function: runs anywhere but inside an XLA cluster."""
+
+    def call(self, x):
+        import tensorflow as tf
+        y = tf.py_function(lambda t: t, [x], x.dtype)
+        y.set_shape(x.shape)
+        return y
+
+
+def host_op_convnet(input_shape, num_classes):
+    """A small ConvNet with an op XLA cannot compile (a Python function on the host)."""
+    L = keras.layers
+    return keras.Sequential([keras.Input(input_shape), L.Conv2D(8, 3, name="conv1"), _HostIdentity(name="host"),
+                             L.GlobalAveragePooling2D(), L.Dense(num_classes, name="logits")], name="host_op_convnet")
