@@ -45,7 +45,7 @@ def previous_run(tmp_path_factory):
     (["--num_devices=4", "--cpu_devices=2"], "--num_devices=4 but only 2 CPU devices exist"),
     (["--learning_rate=-0.1"], "--learning_rate=-0.1 must be > 0"),
     (["--dataset=tfds:cifar10", "--data_dir=/nonexistent"], "--data_dir=/nonexistent is not a readable directory"),
-    (["--dataset=tfds:cifar10", "--data_dir=/tmp"], "holds a run with other settings (--dataset: 'digits' -> "),
+    (["--dataset=tfds:cifar10", "--data_dir=/tmp", "--run_dir=NEW"], "is not prepared in /tmp"),
     (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
     (["--batch_size=sixty"], "--batch_size"),
     (["--seed=5"], "holds a run with other settings (--seed: 0 -> 5)"),

@@ -89,7 +89,7 @@ def test_swap_keeps_the_config_and_the_seed_of_the_stock_layer():
 
 def test_spatial_dropout_drops_whole_feature_maps_as_one_device_does(digits_batch, devices):
     """SpatialDropout2D, made device-independent: data parallelism's update is one device's,
-    and the layer really drops (the same step at rate 0 moves the weights otherwise)."""
+    and the layer drops whole feature maps."""
     source, images, labels = digits_batch
     model = "tests.user_models:spatial_dropout_convnet"
     before, single = one_step("single", devices, source, images, labels, model=model)

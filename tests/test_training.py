@@ -170,14 +170,20 @@ SCHEDULES = {"constant": {0: 0.1, 50: 0.1, 99: 0.1},
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_learning_rate_schedules_and_their_warm_up(schedule):
+    def rate_of(total, step, warmup=0):
+        return float(learning_rate_schedule(0.1, schedule, total, warmup)(step))
+
     def rate(step, warmup=0):
-        return float(learning_rate_schedule(0.1, schedule, 100, warmup)(step))
+        return rate_of(100, step, warmup)
 
     for step, expected in SCHEDULES[schedule].items():
         assert rate(step) == pytest.approx(expected, abs=1e-7), step
     # The same linear warm-up for every schedule: the first step already at peak / 10 (none is
     # spent at rate 0), the peak at the warm-up's last step.
     assert [rate(s, 10) for s in range(10)] == pytest.approx([0.01 * (s + 1) for s in range(10)])
+    if schedule == "step":     # a short run divides after half and three quarters too, rounded up
+        for total, expected in [(1, [0.1]), (2, [0.1, 0.01]), (3, [0.1, 0.1, 0.01]), (5, [0.1, 0.1, 0.1, 0.01, 0.001])]:
+            assert [rate_of(total, s) for s in range(total)] == pytest.approx(expected), total
     if schedule == "cosine":   # then the decay spans the steps after the warm-up
         assert [rate(s, 10) for s in (10, 55, 100)] == pytest.approx([0.1, 0.05, 0.0], abs=1e-7)
     else:                      # then the schedule's own boundaries, in steps from the start

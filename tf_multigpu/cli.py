@@ -36,7 +36,7 @@ _QUIET_LEVEL = "2"   # TensorFlow's C++ log level by default: errors only
 _CPP_LOG = re.compile(r"^([IWEF])\d{4} ")
 _SEVERITY = "IWEF"
 _OURS = "TF_MULTIGPU_QUIET"   # "1": TF_CPP_MIN_LOG_LEVEL is our default, not the user's
-_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")   # absl's
+_HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "--helpfull", "--helpxml")   # absl's
 _PRE_INIT_BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 
 
@@ -71,7 +71,7 @@ def run(main, prog: str, flag_names=()) -> None:
 
 # Flags that name files or directories: a leading ~ is the user's home, as a shell would
 # have made it had the value not followed "--flag=" (bash expands ~ only at a word's start).
-PATH_FLAGS = ("run_dir", "data_dir", "export_dir", "checkpoint", "out_dir", "profile")
+PATH_FLAGS = ("run_dir", "data_dir", "export_dir", "checkpoint", "out_dir", "profile", "folder", "out")
 
 
 def flags_parser(prog: str):

@@ -75,7 +75,7 @@ def check_plan(cfg: Config, devices, cluster=None) -> None:
     if cfg.strategy in ("model", "hybrid"):
         shape = mesh_for(cfg.strategy, cfg.mesh_shape, num_devices)
         _check_mesh(cfg.strategy, shape, num_devices, num_devices // cluster.num_workers if cluster else 0,
-                    on_cpus=all("CPU" in d.upper() for d in devices))
+                    on_cpus=not cfg.num_devices and all("CPU" in d.upper() for d in devices))
         if cfg.layout in BATCH_ON_MODEL and cfg.batch_size % shape["model"]:
             raise UsageError(f"--batch_size={cfg.batch_size} (the global batch) does not divide by the "
                              f"{shape['model']} devices {cfg.layout} splits it over: use a multiple "
@@ -100,7 +100,7 @@ def _check_mesh(strategy: str, mesh_shape: dict, num_devices: int, devices_per_w
                          "divide or be a multiple of the devices per worker, "
                          f"e.g. --mesh=batch:{num_devices // per},model:{per}")
     if b * m != num_devices:
-        more = f"--cpu_devices={b * m}" if on_cpus else f"--num_devices={b * m}"
+        more = f"--cpu_devices={b * m}" if on_cpus and not per else f"--num_devices={b * m}"
         raise UsageError(f"--mesh=batch:{b},model:{m} needs {b * m} devices but {num_devices} are used: "
                          f"make B*M = {num_devices}, or use {b * m} devices ({more})")
     if strategy == "model" and b != 1:

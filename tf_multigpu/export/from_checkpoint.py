@@ -81,7 +81,7 @@ def restore_weights(model: keras.Model, checkpoint: str) -> None:
             raise UsageError(f"checkpoint {checkpoint} does not fit the run's model ({first[:200]}): "
                              "pass a --checkpoint of this run") from None
         raise UsageError(f"checkpoint {checkpoint} cannot be read ({first[:200]}): it is damaged; pass an earlier "
-                         "one of this run with --checkpoint (RUN_DIR/checkpoints keeps the last 3)") from None
+                         "one of this run with --checkpoint (RUN_DIR/checkpoints keeps the last few)") from None
     try:
         # Fails for every weight of the model that found no value in the checkpoint. (The
         # dropout RNG state is not a checkpoint dependency of the model, so it is not asked for.)

@@ -154,7 +154,8 @@ def random_layers(model) -> list:
     def draws(layer) -> bool:
         own_dropout = isinstance(layer, keras.layers.Dropout) and not isinstance(layer, StatelessDropout) and \
             not replaced(layer)   # a user's subclass
-        return isinstance(layer, _RANDOM) or own_dropout
+        seeded = hasattr(layer, "seed_generator") and not replaced(layer)   # e.g. RandomFlip, a user's layer
+        return isinstance(layer, _RANDOM) or own_dropout or seeded
 
     return [layer.name for layer in all_layers(model) if draws(layer)]
 

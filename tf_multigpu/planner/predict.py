@@ -75,8 +75,8 @@ from tf_multigpu.planner.device_profile import (
 # DTensorAllReduceOp` in the comm report), on top of gathering the logits for the accuracy.
 SOFTMAX_EXCHANGE_VALUES = 3
 # What a training step returns, summed over the batch axis: one scalar all-reduce each under DTensor.
-# training/step.SCALARS, spelled out: step.py imports TensorFlow, and this module is the plan's
-# arithmetic, which must not (the config checks a --profile before TensorFlow starts).
+# training/step.SCALARS, spelled out: the planner predicts a step, it does not import the
+# training that runs one (tests/test_imports.py keeps training from importing the planner).
 STEP_SCALARS = ("loss_sum", "correct", "count")
 
 

@@ -82,14 +82,15 @@ def learning_rate_schedule(peak: float, schedule: str, total_steps: int, warmup_
 
     Every schedule warms up the same way (`_Warmup`): linearly, the first update already at
     peak / warmup_steps. "step" divides by 10 once half of the updates are done and again at
-    three quarters; "cosine" decays over the updates after the warm-up, to 0 at the last."""
+    three quarters (rounded up); "cosine" decays over the updates after the warm-up, reaching 0
+    at step total_steps, just after the last."""
     total_steps = max(total_steps, 1)
     if schedule == "constant":
         decayed = schedules.PiecewiseConstantDecay([total_steps], [peak, peak])
     elif schedule == "step":   # the paper divided by 10 when progress stalled; here at 50% and 75%
         # PiecewiseConstantDecay keeps a value up to and including its boundary
         decayed = schedules.PiecewiseConstantDecay(
-            [max(total_steps // 2 - 1, 0), max((3 * total_steps) // 4 - 1, 0)], [peak, peak / 10, peak / 100])
+            [max(-(-total_steps // 2) - 1, 0), max(-(-3 * total_steps // 4) - 1, 0)], [peak, peak / 10, peak / 100])
     elif schedule == "cosine":
         decayed = _After(schedules.CosineDecay(peak, max(total_steps - warmup_steps, 1)), warmup_steps)
     else:
