@@ -182,8 +182,7 @@ class Config:
                 raise UsageError(f"--profile applies to --strategy=auto, not {self.strategy}: drop --profile")
             from tf_multigpu.planner.device_profile import load
             load(self.profile)   # a bad name fails here, with the shipped names in the message
-        if self.data_dir is not None and not self.dataset.startswith("tfds:"):
-            raise UsageError(f"--data_dir applies to --dataset=tfds:NAME, not {self.dataset}: drop --data_dir")
+        check_data_dir(self.dataset, self.data_dir)
         if self.data_dir is not None and not os.access(self.data_dir, os.R_OK | os.X_OK):
             raise UsageError(f"--data_dir={self.data_dir} is not a readable directory: "
                              "point it at the TFDS data directory (e.g. ~/tensorflow_datasets)")
@@ -309,6 +308,12 @@ def check_resumable(previous: Config, current: Config) -> None:
         raise UsageError(
             f"--run_dir={current.run_dir} holds a run with other settings ({'; '.join(changed)}): "
             "use a new --run_dir, or the same flags to resume it")
+
+
+def check_data_dir(dataset: str, data_dir: str | None) -> None:
+    """Refuses a --data_dir that the data set would ignore (only TFDS reads one)."""
+    if data_dir is not None and not dataset.startswith("tfds:"):
+        raise UsageError(f"--data_dir applies to --dataset=tfds:NAME, not {dataset}: drop --data_dir")
 
 
 def check_model_name(name: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from absl import flags
 
-from tf_multigpu.config.config import check_model_name
+from tf_multigpu.config.config import check_data_dir, check_model_name
 from tf_multigpu.errors import UsageError
 
 WORKLOAD_FLAGS = ("model", "dataset", "data_dir", "image_size", "batch_size")
@@ -57,6 +57,5 @@ def check_workload_flags(flag_values=flags.FLAGS) -> None:
         raise UsageError(f"--image_size={flag_values.image_size} must be >= 0 (0: the data set's own size)")
     if "model" in flag_values:
         check_model_name(flag_values.model)
-    if "data_dir" in flag_values and flag_values.data_dir is not None and "dataset" in flag_values \
-            and not flag_values.dataset.startswith("tfds:"):
-        raise UsageError(f"--data_dir applies to --dataset=tfds:NAME, not {flag_values.dataset}: drop --data_dir")
+    if "data_dir" in flag_values and "dataset" in flag_values:
+        check_data_dir(flag_values.dataset, flag_values.data_dir)

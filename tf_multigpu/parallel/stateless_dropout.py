@@ -144,20 +144,14 @@ def replaced(layer) -> bool:
 
 # Spatial dropouts, by their number of spatial axes.
 _SPATIAL = {keras.layers.SpatialDropout1D: 1, keras.layers.SpatialDropout2D: 2, keras.layers.SpatialDropout3D: 3}
-# Stock layers that draw random numbers in training and that stateless_dropout leaves as they are.
-_RANDOM = (keras.layers.GaussianNoise, keras.layers.GaussianDropout, keras.layers.AlphaDropout)
 
 
 def random_layers(model) -> list:
     """The names of `model`'s layers that draw their own random numbers in training and are
     not made stateless: per device, their noise differs from one device's."""
-    def draws(layer) -> bool:
-        own_dropout = isinstance(layer, keras.layers.Dropout) and not isinstance(layer, StatelessDropout) and \
-            not replaced(layer)   # a user's subclass
-        seeded = hasattr(layer, "seed_generator") and not replaced(layer)   # e.g. RandomFlip, a user's layer
-        return isinstance(layer, _RANDOM) or own_dropout or seeded
-
-    return [layer.name for layer in all_layers(model) if draws(layer)]
+    # Keras' random layers keep a SeedGenerator (GaussianNoise, GaussianDropout, AlphaDropout,
+    # Dropout and its subclasses); a StatelessDropout has none.
+    return [layer.name for layer in all_layers(model) if hasattr(layer, "seed_generator") and not replaced(layer)]
 
 
 def use_step(model, step) -> None:
