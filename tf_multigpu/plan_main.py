@@ -15,6 +15,7 @@ import os
 from absl import flags
 
 from tf_multigpu import cli
+from tf_multigpu.config.config import ALL_REDUCE
 from tf_multigpu.config.workload_flags import check_workload_flags, define_workload_flags
 from tf_multigpu.errors import UsageError
 from tf_multigpu.planner.device_profile import builtin_names  # pure Python
@@ -71,9 +72,8 @@ def _plan():
     if not 0 <= FLAGS.grad_overlap <= 1:
         raise UsageError(f"--grad_overlap={FLAGS.grad_overlap} must be in [0, 1], e.g. --grad_overlap=0.5")
     from tf_multigpu import planner
-    from tf_multigpu.planner.comm import FLAG_ALGORITHM
-    if FLAGS.all_reduce not in FLAG_ALGORITHM:
-        raise UsageError(f"unknown --all_reduce={FLAGS.all_reduce!r}: choose one of {', '.join(FLAG_ALGORITHM)}")
+    if FLAGS.all_reduce not in ALL_REDUCE:
+        raise UsageError(f"unknown --all_reduce={FLAGS.all_reduce!r}: choose one of {', '.join(ALL_REDUCE)}")
     if FLAGS.out_dir and os.path.exists(FLAGS.out_dir) and not os.path.isdir(FLAGS.out_dir):
         raise UsageError(f"--out_dir={FLAGS.out_dir} is a file: give a directory for plan.md and plan.json")
     profile = None
@@ -90,9 +90,7 @@ def _plan():
     if profile is None:
         from tf_multigpu.parallel import configure_devices
         devices = configure_devices(FLAGS.num_devices, FLAGS.cpu_devices)
-        profile = planner.measure(devices, model, max(FLAGS.batch_size // len(devices), 1),
-                                  global_batch=FLAGS.batch_size,
-                                  input_dataset=planner.input_batches(source, FLAGS.batch_size))
+        profile = planner.measure_for_run(devices, model, source, FLAGS.batch_size)
         num_devices = len(devices)
     else:
         num_devices = FLAGS.num_devices or profile.num_devices

@@ -130,9 +130,7 @@ def main(argv):
             # A profile per round, timed just before its runs: a slow spell that lasts the whole
             # profile (one device alone measured 80 GFLOP/s in one run of this tool, 142 in the
             # next) must not set every prediction, as it cannot set every measurement.
-            profile = planner.measure(devices, model, max(FLAGS.batch_size // len(devices), 1),
-                                      global_batch=FLAGS.batch_size,
-                                      input_dataset=planner.input_batches(source, FLAGS.batch_size))
+            profile = planner.measure_for_run(devices, model, source, FLAGS.batch_size)
             table = {p.label: p for p in planner.plan_table(cost, profile, len(devices), FLAGS.batch_size).plans}
             if plans is None:   # the first profile's plans that fit, run in every round
                 plans = [p for p in table.values() if p.fits]

@@ -1,7 +1,7 @@
 """The parallelism planner: which strategy, mesh and layout trains a model fastest on given devices.
 
 `cost_model` counts each layer's FLOPs and bytes under every layout; `device_profile` says
-what the devices can do (shipped JSON profiles, or a micro-benchmark); `comm` times each
+what the devices can do (shipped JSON profiles, or `device_bench`'s micro-benchmark); `comm` times each
 collective algorithm on the profile's topology; `predict` turns them into a ranked table of
 plans; `published` holds the published tables two profiles are fitted to and reproduce;
 `auto` resolves `--strategy=auto` for tf-multigpu-train.
@@ -18,11 +18,11 @@ import importlib
 _NAMES = {   # name -> the submodule that defines it
     "ModelCost": "cost_model", "analyze": "cost_model",
     "DeviceProfile": "device_profile", "builtin_names": "device_profile", "load": "device_profile",
-    "measure": "device_profile", "input_batches": "device_profile",
+    "measure": "device_bench", "measure_for_run": "device_bench", "input_batches": "device_bench",
     "Assumptions": "predict", "Plan": "predict", "PlanTable": "predict", "plan_table": "predict",
     "to_markdown": "predict",
 }
-_SUBMODULES = ("auto", "comm", "cost_model", "device_profile", "predict", "published")
+_SUBMODULES = ("auto", "comm", "cost_model", "device_bench", "device_profile", "predict", "published")
 
 
 def __getattr__(name: str):
@@ -34,4 +34,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["Assumptions", "DeviceProfile", "ModelCost", "Plan", "PlanTable", "analyze", "builtin_names",
-           "input_batches", "load", "measure", "plan_table", "to_markdown"]
+           "input_batches", "load", "measure", "measure_for_run", "plan_table", "to_markdown"]

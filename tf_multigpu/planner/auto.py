@@ -1,6 +1,6 @@
 """`--strategy=auto`: the entry point asks the planner for the fastest plan that fits.
 
-The devices of the run are measured (`device_profile.measure`, a few seconds) or described by
+The devices of the run are measured (`device_bench.measure_for_run`, a few seconds) or described by
 a shipped profile (`--profile=NAME`, for a plan of a machine one knows), the model's
 per-layer cost is taken from the plain Keras model, and the top plan of the ranked table
 becomes the run's strategy, mesh and layout. tf-multigpu-train resolves it before it builds
@@ -15,7 +15,8 @@ import dataclasses
 from tf_multigpu.config import Config
 from tf_multigpu.models import build_model
 from tf_multigpu.planner.cost_model import analyze
-from tf_multigpu.planner.device_profile import input_batches, load, measure
+from tf_multigpu.planner.device_bench import measure_for_run
+from tf_multigpu.planner.device_profile import load
 from tf_multigpu.planner.predict import plan_table
 
 
@@ -41,9 +42,7 @@ def resolve_strategy(cfg: Config, devices, source, profile=None) -> tuple[Config
     model = build_model(cfg.model, source.image_shape, source.num_classes)
     cost = analyze(model)
     if profile is None:
-        profile = (measure(devices, model, max(cfg.batch_size // len(devices), 1), global_batch=cfg.batch_size,
-                           input_dataset=input_batches(source, cfg.batch_size, cfg.seed))
-                   if cfg.profile == "measure"
+        profile = (measure_for_run(devices, model, source, cfg.batch_size, cfg.seed) if cfg.profile == "measure"
                    else load(cfg.profile))
     table = plan_table(cost, profile, len(devices), cfg.batch_size)
     best = table.best

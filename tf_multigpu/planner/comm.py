@@ -42,7 +42,8 @@ import itertools
 
 ALGORITHMS = ("ring", "one_device", "hierarchical_copy", "padded_all_reduce")
 TOPOLOGIES = ("ring", "host", "pcie_switch", "nvlink", "hybrid_cube_mesh")
-# The --all_reduce flag's names, as the planner's algorithms (auto: TensorFlow's choice, a ring).
+# tf-multigpu-train's --all_reduce values (config.ALL_REDUCE, the one list both entry points
+# accept; a test keeps the two in step) as the planner's algorithms (auto: the profile's default).
 FLAG_ALGORITHM = {"auto": "", "nccl": "ring", "one_device": "one_device", "hierarchical_copy": "hierarchical_copy"}
 
 
