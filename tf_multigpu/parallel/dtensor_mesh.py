@@ -280,8 +280,9 @@ class DTensorParallelism:
 
 
 def _implementation(name: str, stock: type) -> type:
-    """The split-aware class the plan names: one of `split_layers`, or, for a weightless
-    layer that needs its whole input ("Gather<Class>"), the stock class after a named gather."""
+    """The split-aware class the plan names: one of `split_layers(_modern)`, or, for a layer
+    that needs its whole input ("Gather<Class>": Conv2D, Dense, Flatten...), the stock class
+    after a named gather."""
     cls = getattr(split_layers, name, None) or getattr(split_layers_modern, name, None)
     if cls is not None:
         return cls

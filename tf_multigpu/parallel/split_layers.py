@@ -7,13 +7,14 @@ The layout policy swaps these in for the stock layers of a model (models stay pl
   SlicePool2D    MaxPooling2D from strided slices and tf.maximum, with its own gradient:
                  DTensor's MaxPool refuses channel-sharded inputs ("Only replicated or batch
                  parallel layout is supported"); this is exact and keeps the sharding.
-  GatherFlatten, GatherDense, GatherConv2D
-                 the stock layers preceded by one explicit all-gather of the input over the
-                 `model` axis. DTensor would otherwise insert the same relayout silently; doing
-                 it here names it (`relayout/<layer>/activations` in traces) and makes every
-                 activation exchange of model parallelism deliberate and countable.
-                 Under conv_data_fc_model the same gather collects the batch, whose rows
-                 the data-parallel convolutions left sharded on `model`.
+  GatherFirst    mixin for Gather<Class>: any stock layer (Conv2D, Dense, Flatten,
+                 Reshape...) preceded by one explicit all-gather of its input over the
+                 `model` axis; dtensor_mesh makes the class from the plan's name. DTensor
+                 would otherwise insert the same relayout silently; doing it here names it
+                 (`relayout/<layer>/activations` in traces) and makes every activation
+                 exchange of model parallelism deliberate and countable. Under
+                 conv_data_fc_model the same gather collects the batch, whose rows the
+                 data-parallel convolutions left sharded on `model`.
 
 Each keeps its stock layer's weights and names, so checkpoints and exports are interchangeable
 with the plain model's.
@@ -46,7 +47,10 @@ class _Gathers:
 
 
 class GatherFirst(_Gathers):
-    """Mixin for any layer that needs its whole input: gathers it, then runs the layer."""
+    """Mixin for any layer that needs its whole input: gathers it, then runs the layer. A
+    Conv2D or Dense after a split layer (a Dense split on units too: every unit needs every
+    input), a Flatten of a channel-sharded map (NHWC flattening mixes channels into every
+    position of the flat vector, so it cannot stay split on channels)."""
 
     def call(self, inputs, *args, **kwargs):
         return super().call(self._gather(inputs), *args, **kwargs)
@@ -62,31 +66,9 @@ class SplitConv2D(_Gathers, keras.layers.Conv2D):
                             need_input_grad=self.need_input_grad)
 
 
-class GatherConv2D(_Gathers, keras.layers.Conv2D):
-    """Replicated-kernel Conv2D after a split layer: gathers its input first."""
-
-    def call(self, inputs):
-        return super().call(self._gather(inputs))
-
-
 class SlicePool2D(keras.layers.MaxPooling2D):
     """Max pooling as the max over pool_size^2 strided slices: exact, layout-preserving; its
     backward keeps only its input and output (`split_layers_modern.window_max`)."""
 
     def call(self, inputs):
         return window_max(inputs, self.pool_size, self.strides, self.padding)
-
-
-class GatherFlatten(_Gathers, keras.layers.Flatten):
-    """Flatten of a channel-sharded map: gather first (NHWC flattening mixes channels into
-    every position of the flat vector, so it cannot stay split on channels)."""
-
-    def call(self, inputs):
-        return super().call(self._gather(inputs))
-
-
-class GatherDense(_Gathers, keras.layers.Dense):
-    """Dense after a split layer (or split on units itself): every unit needs every input."""
-
-    def call(self, inputs, training=None):
-        return super().call(self._gather(inputs), training=training)
