@@ -31,6 +31,12 @@ def _profile(**changes):
     return planner.DeviceProfile(**{**values, **changes})
 
 
+def test_the_planner_knows_every_all_reduce_the_trainer_accepts():
+    from tf_multigpu.config.config import ALL_REDUCE
+    assert set(planner.comm.FLAG_ALGORITHM) == set(ALL_REDUCE)
+    assert set(planner.comm.FLAG_ALGORITHM.values()) <= {"", *planner.comm.ALGORITHMS}
+
+
 def test_flops_and_bytes_of_a_conv_and_a_dense_layer_by_hand():
     model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, padding="same", name="conv1"),
                               keras.layers.MaxPooling2D(2, name="pool1"), keras.layers.Flatten(name="flatten"),
@@ -233,7 +239,7 @@ def test_the_profile_times_a_first_convolution_without_the_input_gradient_its_st
     """Issue 14: AlexNet's conv1 computes no input gradient in a step. tf.nn.conv2d's at stride
     4 took 67 of conv1's 82 ms on 4 logical CPUs, so timing it made the stock convolutions look
     24% slower and the split convolution's overhead that much smaller (BUILD_NOTES)."""
-    from tf_multigpu.planner.device_profile import _model_convs
+    from tf_multigpu.planner.device_bench import _model_convs
     convs = _model_convs(build_model("alexnet", (64, 64, 3), 10))
     assert [needs_dx for *_, needs_dx in convs] == [False, True, True, True, True]
     assert convs[0][1:4] == ((11, 11, 3, 96), 4, "VALID")
@@ -278,7 +284,7 @@ def test_a_measured_rate_per_batch_prices_each_plan_at_its_own_examples_per_devi
     (interpolated in log(batch)); each plan's layers are priced at the examples each device
     runs: the global batch over the batch groups, and a 1/M share of it for rows split over
     `model` (conv_data_fc_model's convolutions)."""
-    from tf_multigpu.planner.device_profile import plan_batches
+    from tf_multigpu.planner.device_bench import plan_batches
     assert plan_batches(4, 64) == [16, 32, 64] and plan_batches(4, 256, cap=64) == [64]
     rates = {16: 1e11, 64: 4e11}
     profile = _profile(batch_flops_per_s=rates)
