@@ -93,6 +93,15 @@ def devices():
     return DEVICES
 
 
+@pytest.fixture(scope="module")
+def digits_batch():
+    """(source, preprocessed images, labels): one batch of 64 digits, the parity tests' batch."""
+    from tf_multigpu.data import load_source
+    source = load_source("digits")
+    images, labels = next(iter(source.train_records().batch(64)))
+    return source, source.preprocess(images), labels
+
+
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
     """The README's default command (`--run_dir` alone: data parallel on 2 logical CPU devices,

@@ -7,7 +7,6 @@ import pytest
 
 from tests.helpers import max_update_difference, one_step
 from tests.launcher import run_module
-from tf_multigpu.data import load_source
 
 # fp32 sums of the same products in a different order (per-replica partial sums, then the
 # all-reduce; im2col einsums instead of oneDNN's conv) differ by a few ulps. The update is
@@ -16,13 +15,6 @@ from tf_multigpu.data import load_source
 # (measured: <= 1.9e-6 for every strategy and mesh). 1e-5 leaves headroom for rounding and nothing
 # else: a wrong loss scale (x N), a missed all-reduce or a stale optimizer slot is O(1).
 TOLERANCE = 1e-5
-
-
-@pytest.fixture(scope="module")
-def digits_batch():
-    source = load_source("digits")
-    images, labels = next(iter(source.train_records().batch(64)))
-    return source, source.preprocess(images), labels
 
 
 @pytest.fixture(scope="module")

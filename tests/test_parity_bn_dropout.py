@@ -24,13 +24,6 @@ from tf_multigpu.training.run import build_model_and_optimizer
 BN_MODEL = "tests.user_models:small_resnet_bn"
 
 
-@pytest.fixture(scope="module")
-def digits_batch():
-    source = load_source("digits")
-    images, labels = next(iter(source.train_records().batch(64)))
-    return source, source.preprocess(images), labels
-
-
 def _dropout(rate=0.25, name="drop", step=0, **kwargs):
     layer = StatelessDropout(rate, seed=7, name=name, **kwargs)
     layer.use_step(tf.Variable(step, dtype=tf.int64))

@@ -12,7 +12,6 @@ from tests.conftest import run_cli
 from tests.helpers import max_update_difference, one_step
 from tests.test_parity import TOLERANCE as FLOAT32_TOLERANCE
 from tests.test_parity import parity_result
-from tf_multigpu.data import load_source
 
 # Mixed precision computes in 16 bits; weights, gradients' all-reduce and updates are float32.
 # bfloat16 keeps 8 significant bits (one rounding ~0.4%). A replica sums the per-example
@@ -24,13 +23,6 @@ from tf_multigpu.data import load_source
 # bits: measured 6.8e-4 (data) and 8.7e-4 (model) on an earlier machine, 1.6e-3 and 3.0e-3 on an
 # AMD EPYC (split convolutions accumulate float16 in float32, split_conv.py); 5e-3.
 TOLERANCE = {"bfloat16": 0.1, "float16": 5e-3}
-
-
-@pytest.fixture(scope="module")
-def digits_batch():
-    source = load_source("digits")
-    images, labels = next(iter(source.train_records().batch(64)))
-    return source, source.preprocess(images), labels
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -83,13 +83,15 @@ def _step_fn(layer, training):
     return step
 
 
-def _collectives(fn, *args):
-    """The collectives the profiler sees fn run (traced before): names of their op events.
+def _collectives(fn, *args) -> tuple[list, bool]:
+    """(the collectives the profiler sees fn run (traced before): names of their op events;
+    whether the trace holds the step's own loss op, `Sin:Sin`).
 
     A CPU trace is sometimes partial (a third of the events), so fn runs 5 times, and a
     collective counts if any of its events is seen: the CollectiveReduceV2 op itself, the
     executor's `Collective...` events, or the ops DTensor names after it (`DTensorAllGatherOp`
-    ...: the pad/slice around an all-gather).
+    ...: the pad/slice around an all-gather). "No collective" means something only in a trace
+    that saw the step run, hence the loss op.
     """
     fn(*args)
     logdir = tempfile.mkdtemp()
@@ -102,7 +104,8 @@ def _collectives(fn, *args):
         space.ParseFromString(f.read())
     names = {plane.event_metadata[e.metadata_id].name for plane in space.planes for line in plane.lines
              for e in line.events}
-    return sorted(name for name in names if "Collective" in name or re.search(r"DTensor\w+Op", name))
+    collectives = sorted(name for name in names if "Collective" in name or re.search(r"DTensor\w+Op", name))
+    return collectives, any(name.endswith(":Sin") for name in names)
 
 
 def _close(got, want, what):
@@ -139,9 +142,11 @@ def check_parity(devices, stock, split, inputs, in_specs, b, m, out_specs, varia
     for var, ref in zip(got_layer.weights, want_layer.weights):   # e.g. BatchNorm's moving statistics
         _close(_full(mesh, var.value.read_value()), ref.numpy(), f"{var.name} after the step")
     if b == 1:
-        seen = _collectives(step, *xs)
-        for _ in range(2 if communicates else 0):   # a partial trace (a loaded machine) can miss them all
-            seen = seen or _collectives(step, *xs)
+        for _ in range(3):   # a partial trace (a loaded machine) can miss them all, or the whole step
+            seen, step_traced = _collectives(step, *xs)
+            if seen or (step_traced and not communicates):
+                break
+        assert seen or step_traced, "the profiler saw none of the step's ops: no trace to check"
         assert bool(seen) == communicates, f"collectives over `model`: {seen or 'none'}"
         return seen
     return None
