@@ -44,6 +44,7 @@ def test_a_fresh_process_peak_counts_what_it_allocates(onednn):
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     assert measured["peak_since"] == "meter start", measured   # Linux resets the high-water mark
     assert 250 * 2**20 <= measured["peak_minus_baseline_bytes"] < 400 * 2**20, measured
+    assert measured["cpu_kernels"] == ("oneDNN" if onednn == "1" else "Eigen"), measured
     if onednn == "1":
         assert measured["tf_allocator_peak_bytes"] < 2**20, measured   # numpy's memory is not TensorFlow's
     else:
@@ -100,6 +101,26 @@ def test_table_rows_and_markdown():
     table = markdown(rows)
     assert "| single | 3.00 GiB | 1.00 | 1.00 GiB | 2.00 GiB | 0.50 | - |" in table
     assert "| model 1x2 filter_split | 6.00 GiB | 2.00 | 2.50 GiB | 5.00 GiB | 0.50 | - |" in table
+    assert "CPU kernels" not in table and "Peaks of every run" not in table   # neither said by these runs
+
+
+def test_table_keeps_the_median_run_and_names_the_kernels():
+    """One device's peak moves from run to run; --repeats keeps the median run and lists all."""
+    sys.path.insert(0, REPO)
+    from tools.memory_table import markdown, median_run, row
+
+    def summary(peak_gib):
+        return {"devices": ["cpu0"], "memory_per_device_bytes": {"total": 2**30},
+                "memory_measured": {"peak_rss_bytes": int(peak_gib * 2**30), "baseline_rss_bytes": 2**30,
+                                    "peak_minus_baseline_bytes": int((peak_gib - 1) * 2**30),
+                                    "cpu_kernels": "Eigen"}}
+    chosen = median_run([row("single", summary(g)) for g in (2.8, 2.5, 2.6)])
+    assert chosen["peak_bytes"] == int(2.6 * 2**30) and len(chosen["peaks_bytes"]) == 3
+    assert median_run([row("single", summary(g)) for g in (2.8, 2.5)])["peak_bytes"] == int(2.5 * 2**30)
+    table = markdown([chosen])
+    assert "| single | 2.60 GiB | 1.00 |" in table
+    assert "CPU kernels: Eigen." in table
+    assert "Peaks of every run (GiB; the median run is shown): single 2.80, 2.50, 2.60." in table
 
 
 @pytest.mark.slow
@@ -110,6 +131,7 @@ def test_memory_table_tool_runs_fresh_processes(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "table.json").read_text())
     assert [r["config"] for r in rows] == ["single", "model 1x2 filter_split"]
+    assert rows[0]["cpu_kernels"] in ("oneDNN", "Eigen") and "CPU kernels: " in done.stdout
     assert rows[1]["devices"] == 2 and all(r["peak_bytes"] > r["baseline_bytes"] > 0 for r in rows)
     assert "| model 1x2 filter_split |" in out.read_text() and "| model 1x2 filter_split |" in done.stdout
 

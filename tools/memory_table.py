@@ -12,6 +12,12 @@ devices plus the process's host estimate (`memory_host_bytes`: the input pipelin
 to compare with "peak minus baseline"; beside them, the peak of TensorFlow's CPU
 allocator (tensors only: the rest of RSS is the runtime, graphs and malloc). On GPUs (--gpus)
 the measured figure is each device's allocator peak and the estimate is compared per device.
+
+One device's peak RSS moves by up to ~0.3 GiB from run to run (where TensorFlow's allocator
+places tensors depends on the order independent ops run: BUILD_NOTES.md), and every ratio is
+taken against it: `--repeats=N` runs each configuration N times and keeps the run with the
+median peak, listing all N peaks under the table. The table also says which CPU kernels ran
+(oneDNN's or TensorFlow's own): the same step holds different memory with each.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ flags.DEFINE_list("configs", list(KEYS), f"Configurations to run, of: {', '.join
 flags.DEFINE_boolean("gpus", False, "Run on the machine's GPUs instead of logical CPU devices.")
 flags.DEFINE_string("out", "", "Also write the markdown table (and a .json beside it) here.")
 flags.DEFINE_integer("run_timeout", 1800, "Seconds per run.")
+flags.DEFINE_integer("repeats", 1, "Runs per configuration; the one with the median peak is shown.", lower_bound=1)
 FLAGS = flags.FLAGS
 
 
@@ -86,7 +93,15 @@ def row(label: str, summary: dict) -> dict:
     return {"config": label, "devices": devices, "estimate_bytes": per_device * devices + host,
             "peak_bytes": measured["peak_rss_bytes"], "baseline_bytes": measured["baseline_rss_bytes"],
             "measured_bytes": measured["peak_minus_baseline_bytes"], "per": "process",
-            "tf_allocator_peak_bytes": measured.get("tf_allocator_peak_bytes", 0)}
+            "tf_allocator_peak_bytes": measured.get("tf_allocator_peak_bytes", 0),
+            "cpu_kernels": measured.get("cpu_kernels", "")}
+
+
+def median_run(rows: list[dict]) -> dict:
+    """Of one configuration's runs, the one with the median peak (the lower of the middle two
+    for an even count), with every run's peak in "peaks_bytes"."""
+    chosen = sorted(rows, key=lambda r: r["peak_bytes"])[(len(rows) - 1) // 2]
+    return {**chosen, "peaks_bytes": [r["peak_bytes"] for r in rows]}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -109,6 +124,12 @@ def markdown(rows: list[dict]) -> str:
     if per == "process" and rows:
         baselines = ", ".join(f"{r['config']} {r['baseline_bytes'] / gib:.2f} GiB" for r in rows)
         lines.append(f"\nBaseline (process RSS before the model is built): {baselines}.")
+        kernels = sorted({r["cpu_kernels"] for r in rows if r.get("cpu_kernels")})
+        if kernels:
+            lines.append(f"CPU kernels: {', '.join(kernels)}.")
+    if any(len(r.get("peaks_bytes", ())) > 1 for r in rows):
+        peaks = "; ".join(f"{r['config']} " + ", ".join(f"{p / gib:.2f}" for p in r["peaks_bytes"]) for r in rows)
+        lines.append(f"Peaks of every run (GiB; the median run is shown): {peaks}.")
     return "\n".join(lines) + "\n"
 
 
@@ -122,10 +143,11 @@ def main(argv):
     rows = []
     for label, strategy, devices, mesh, layout, extra in chosen:
         print(f"  {label} ...", file=sys.stderr, flush=True)
-        rows.append(row(label, run_one(strategy, devices, mesh, layout, extra)))
+        rows.append(median_run([row(label, run_one(strategy, devices, mesh, layout, extra))
+                                for _ in range(FLAGS.repeats)]))
     table = markdown(rows)
     print(f"{FLAGS.model}, {FLAGS.dataset} image {FLAGS.image_size or 'default'}, global batch {FLAGS.batch_size}, "
-          f"{FLAGS.train_steps} steps, fresh process per configuration\n")
+          f"{FLAGS.train_steps} steps, a fresh process per run\n")
     print(table)
     if FLAGS.out:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)

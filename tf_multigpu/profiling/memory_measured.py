@@ -13,7 +13,11 @@
   the model, its training step and its devices added -- the figure to hold against the
   estimate summed over devices. Beside it, the peak of TensorFlow's CPU allocator, which all
   logical CPU devices share (`get_memory_info("CPU:0")`, reset when the meter starts): the
-  bytes of tensors alone, without the runtime's and malloc's own overhead.
+  bytes of tensors alone, without the runtime's and malloc's own overhead. And which CPU
+  kernels ran (`cpu_kernels`: oneDNN's, or TensorFlow's own Eigen ones where TensorFlow
+  leaves oneDNN off, as on CPUs without AVX-512 or with TF_ENABLE_ONEDNN_OPTS=0): the same
+  AlexNet step holds measurably different memory with each (BUILD_NOTES.md, "Fifteenth
+  session"), so a table is compared only with one of the same kernels.
 """
 
 from __future__ import annotations
@@ -74,6 +78,14 @@ def _reset_cpu_allocator_stats() -> bool:
         return False
 
 
+def cpu_kernels() -> str:
+    """"oneDNN" where TensorFlow runs oneDNN's CPU kernels in this process, else "Eigen".
+    TensorFlow decides at start-up from TF_ENABLE_ONEDNN_OPTS and the CPU; the public API does
+    not say which, its own test utilities read this same flag (`IsMklEnabled`)."""
+    from tensorflow.python.util import _pywrap_util_port
+    return "oneDNN" if _pywrap_util_port.IsMklEnabled() else "Eigen"
+
+
 class MemoryMeter:
     """Start it before the model is built; `measured()` after training gives the peaks."""
 
@@ -97,6 +109,7 @@ class MemoryMeter:
         return {"source": "process peak RSS (all logical CPU devices)", "peak_rss_bytes": peak,
                 "peak_since": "meter start" if self.peak_reset else "process start",
                 "baseline_rss_bytes": self.baseline, "peak_minus_baseline_bytes": peak - self.baseline,
+                "cpu_kernels": cpu_kernels(),
                 **({"tf_allocator_peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
                    if self.cpu_stats else {})}
 
