@@ -83,29 +83,38 @@ def _step_fn(layer, training):
     return step
 
 
-def _collectives(fn, *args) -> tuple[list, bool]:
-    """(the collectives the profiler sees fn run (traced before): names of their op events;
-    whether the trace holds the step's own loss op, `Sin:Sin`).
+RUNS = 5   # profiled runs of the step per trace
 
-    A CPU trace is sometimes partial (a third of the events), so fn runs 5 times, and a
-    collective counts if any of its events is seen: the CollectiveReduceV2 op itself, the
-    executor's `Collective...` events, or the ops DTensor names after it (`DTensorAllGatherOp`
-    ...: the pad/slice around an all-gather). "No collective" means something only in a trace
-    that saw the step run, hence the loss op.
+
+def _collectives(fn, *args, copies: int = 1) -> tuple[list, bool]:
+    """(the collectives the profiler sees fn run (traced before): names of their op events;
+    whether the trace saw every run of the step: a `Sin` event, the step's loss op, per run on
+    each of the `copies` devices that run it).
+
+    A mesh's devices run a step asynchronously: fn returns while they still compute, so the
+    profiler, stopped then, missed the last runs' ops (traces of the grouped convolutions
+    held 3 to 7 of the 10 Sin events of 5 runs on 1x2); hence the waits. fn runs RUNS times,
+    and a collective counts if any of its events is seen: the CollectiveReduceV2 op itself,
+    the executor's `Collective...` events, or the ops DTensor names after it
+    (`DTensorAllGatherOp` ...: the pad/slice around an all-gather). "No collective" means
+    something only in a trace that saw each run's loss op on every device.
     """
     fn(*args)
+    tf.test.experimental.sync_devices()   # its ops, still running, would count as the trace's
     logdir = tempfile.mkdtemp()
     tf.profiler.experimental.start(logdir)
-    for _ in range(5):
+    for _ in range(RUNS):
         fn(*args)
+    tf.test.experimental.sync_devices()   # a mesh's devices run asynchronously: wait for the last run
     tf.profiler.experimental.stop()
     space = compat.xplane_pb2().XSpace()
     with open(xspace.latest_trace(logdir), "rb") as f:
         space.ParseFromString(f.read())
-    names = {plane.event_metadata[e.metadata_id].name for plane in space.planes for line in plane.lines
-             for e in line.events}
-    collectives = sorted(name for name in names if "Collective" in name or re.search(r"DTensor\w+Op", name))
-    return collectives, any(name.endswith(":Sin") for name in names)
+    events = [plane.event_metadata[e.metadata_id].name for plane in space.planes for line in plane.lines
+              for e in line.events]
+    collectives = sorted({name for name in events if "Collective" in name or re.search(r"DTensor\w+Op", name)})
+    # An op's event is named "name:Type"; on a mesh each device runs its own Sin, once per run.
+    return collectives, sum(name.endswith(":Sin") for name in events) >= RUNS * copies
 
 
 def _close(got, want, what):
@@ -142,11 +151,8 @@ def check_parity(devices, stock, split, inputs, in_specs, b, m, out_specs, varia
     for var, ref in zip(got_layer.weights, want_layer.weights):   # e.g. BatchNorm's moving statistics
         _close(_full(mesh, var.value.read_value()), ref.numpy(), f"{var.name} after the step")
     if b == 1:
-        for _ in range(3):   # a partial trace (a loaded machine) can miss them all, or the whole step
-            seen, step_traced = _collectives(step, *xs)
-            if seen or (step_traced and not communicates):
-                break
-        assert seen or step_traced, "the profiler saw none of the step's ops: no trace to check"
+        seen, step_traced = _collectives(step, *xs, copies=m)
+        assert step_traced, "the profiler's trace missed runs of the step: no trace to check"
         assert bool(seen) == communicates, f"collectives over `model`: {seen or 'none'}"
         return seen
     return None

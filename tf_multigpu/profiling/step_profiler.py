@@ -61,9 +61,13 @@ class StepProfiler:
         if not self.profiles(step):
             return host_scalars(train_fn(iterator, tf.constant(window)))
         if step + 1 == self.first:
+            tf.test.experimental.sync_devices()   # the previous step's last ops are not this trace's
             tf.profiler.experimental.start(self.logdir)
         with profiler_step(step + 1):
-            sums = host_scalars(train_fn(iterator, tf.constant(1)))   # inside the marker: wait for the step
+            sums = host_scalars(train_fn(iterator, tf.constant(1)))   # inside the marker: wait for the step,
+            # all of it: a mesh's devices run asynchronously, and the loss reaches the host before
+            # the update's ops have run (a trace stopped then misses them: tests/test_split_layers.py).
+            tf.test.experimental.sync_devices()
         if step + 1 == self.last:
             tf.profiler.experimental.stop()
         return sums

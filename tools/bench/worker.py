@@ -115,10 +115,12 @@ def _traced_split(step, steps: int = TRACED_STEPS) -> dict:
     from tf_multigpu.compat import profiler_step
     from tf_multigpu.profiling import xspace
     with tempfile.TemporaryDirectory() as logdir:
+        tf.test.experimental.sync_devices()   # the untraced steps' last ops are not the trace's
         tf.profiler.experimental.start(logdir)
         for n in range(steps):
             with profiler_step(n + 1):
                 step()
+                tf.test.experimental.sync_devices()   # the whole step inside its marker (a mesh runs async)
         tf.profiler.experimental.stop()
         per_step = xspace.step_times(xspace.latest_trace(logdir))
     if not per_step:
