@@ -96,10 +96,8 @@ def devices():
 @pytest.fixture(scope="module")
 def digits_batch():
     """(source, preprocessed images, labels): one batch of 64 digits, the parity tests' batch."""
-    from tf_multigpu.data import load_source
-    source = load_source("digits")
-    images, labels = next(iter(source.train_records().batch(64)))
-    return source, source.preprocess(images), labels
+    from tests.helpers import load_digits_batch
+    return load_digits_batch()
 
 
 @pytest.fixture(scope="session")

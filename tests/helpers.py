@@ -15,6 +15,15 @@ from tf_multigpu.config import Config
 from tf_multigpu.training.run import build_run
 
 
+def load_digits_batch(size=64):
+    """(source, preprocessed images, labels): the first `size` training digits, the parity
+    checks' batch (the `digits_batch` fixture; tests/parity_worker.py in its own process)."""
+    from tf_multigpu.data import load_source
+    source = load_source("digits")
+    images, labels = next(iter(source.train_records().batch(size)))
+    return source, source.preprocess(images), labels
+
+
 def one_step(strategy, devices, source, images, labels, steps=1, model="small_convnet",
              learning_rate=1.0, mesh="", layout="filter_split", **cfg_kwargs):
     """Initial and final weights (numpy; BatchNorm's moving statistics included) after `steps`

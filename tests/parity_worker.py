@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tests.conftest import DEVICES
-from tests.helpers import max_update_difference, one_step, statistics_difference
+from tests.helpers import load_digits_batch, max_update_difference, one_step, statistics_difference
 from tf_multigpu.config import Config
 from tf_multigpu.data import load_source
 from tf_multigpu.training.run import build_run
@@ -67,9 +67,7 @@ def run_job(strategy, mesh, layouts, steps="1", *options):
         records = source.train_records().map(lambda i, label: (source.preprocess(source.decode(i)), label))
         images, labels = next(iter(records.batch(int(options.get("batch", 8)))))
     else:
-        source = load_source("digits")
-        images, labels = next(iter(source.train_records().batch(64)))
-        images = source.preprocess(images)
+        source, images, labels = load_digits_batch()
     before, single = one_step("single", DEVICES, source, images, labels, steps=int(steps), dtype=dtype, model=model)
     size = eval(mesh.replace("batch:", "").replace(",model:", "*"))
     result = {}

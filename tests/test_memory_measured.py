@@ -119,7 +119,7 @@ def test_table_keeps_the_median_run_and_names_the_kernels():
     assert median_run([row("single", summary(g)) for g in (2.8, 2.5)])["peak_bytes"] == int(2.5 * 2**30)
     table = markdown([chosen])
     assert "| single | 2.60 GiB | 1.00 |" in table
-    assert "CPU kernels: Eigen." in table
+    assert "CPU kernels: Eigen." in table and " |\n\nBaseline" in table   # notes below, not rows
     assert "Peaks of every run (GiB; the median run is shown): single 2.80, 2.50, 2.60." in table
 
 

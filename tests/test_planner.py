@@ -221,10 +221,13 @@ def test_a_split_convolution_divides_only_its_filters_share_over_the_model_axis(
 
 def test_measure_times_the_models_step_at_each_plans_examples_per_device(devices):
     """With a model and the run's global batch, the rate is timed at every per-device batch a
-    plan on the devices runs (64 over 1 and 2 batch groups on 2 devices); the plan tool and
-    --strategy=auto pass both."""
+    plan on the devices runs (64 over 1 and 2 batch groups on 2 devices), and the run's own
+    input pipeline alone: measure_for_run, what the plan tool, --strategy=auto and
+    plan_vs_measured call."""
+    from tf_multigpu.data import load_source
     model = build_model("small_convnet", (8, 8, 1), 10)
-    p = planner.measure(devices[:2], model, 32, global_batch=64)
+    p = planner.measure_for_run(devices[:2], model, load_source("digits"), 64)
+    assert p.input_images_per_s > 1000 and p.input_shares_cores   # digits: tens of thousands a second
     assert sorted(p.batch_flops_per_s) == [32, 64] and min(p.batch_flops_per_s.values()) > 1e8
     assert p.flops_per_s == p.batch_flops_per_s[32] and p.alone_flops_per_s > 1e8
     # The split convolution's overhead is timed at the same batches; the scalar is the smallest's.

@@ -121,15 +121,19 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['config']} | {r['peak_bytes'] / gib:.2f} GiB | {ratio} | "
                      f"{r['estimate_bytes'] / gib:.2f} GiB | {r['measured_bytes'] / gib:.2f} GiB | {agree} | "
                      f"{allocator} |")
+    notes = []   # under the table, after a blank line (else markdown reads them as rows)
     if per == "process" and rows:
         baselines = ", ".join(f"{r['config']} {r['baseline_bytes'] / gib:.2f} GiB" for r in rows)
-        lines.append(f"\nBaseline (process RSS before the model is built): {baselines}.")
+        notes.append(f"Baseline (process RSS before the model is built): {baselines}.")
         kernels = sorted({r["cpu_kernels"] for r in rows if r.get("cpu_kernels")})
         if kernels:
-            lines.append(f"CPU kernels: {', '.join(kernels)}.")
+            notes.append(f"CPU kernels: {', '.join(kernels)}.")
     if any(len(r.get("peaks_bytes", ())) > 1 for r in rows):
-        peaks = "; ".join(f"{r['config']} " + ", ".join(f"{p / gib:.2f}" for p in r["peaks_bytes"]) for r in rows)
-        lines.append(f"Peaks of every run (GiB; the median run is shown): {peaks}.")
+        peaks = "; ".join(f"{r['config']} " + ", ".join(f"{p / gib:.2f}" for p in
+                                                         r.get("peaks_bytes", [r["peak_bytes"]])) for r in rows)
+        notes.append(f"Peaks of every run (GiB; the median run is shown): {peaks}.")
+    if notes:
+        lines += [""] + notes
     return "\n".join(lines) + "\n"
 
 

@@ -18,7 +18,7 @@ import importlib
 _NAMES = {   # name -> the submodule that defines it
     "ModelCost": "cost_model", "analyze": "cost_model",
     "DeviceProfile": "device_profile", "builtin_names": "device_profile", "load": "device_profile",
-    "measure": "device_bench", "measure_for_run": "device_bench", "input_batches": "device_bench",
+    "measure": "device_bench", "measure_for_run": "device_bench",
     "Assumptions": "predict", "Plan": "predict", "PlanTable": "predict", "plan_table": "predict",
     "to_markdown": "predict",
 }
@@ -34,4 +34,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["Assumptions", "DeviceProfile", "ModelCost", "Plan", "PlanTable", "analyze", "builtin_names",
-           "input_batches", "load", "measure", "measure_for_run", "plan_table", "to_markdown"]
+           "load", "measure", "measure_for_run", "plan_table", "to_markdown"]

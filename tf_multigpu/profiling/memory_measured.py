@@ -81,9 +81,13 @@ def _reset_cpu_allocator_stats() -> bool:
 def cpu_kernels() -> str:
     """"oneDNN" where TensorFlow runs oneDNN's CPU kernels in this process, else "Eigen".
     TensorFlow decides at start-up from TF_ENABLE_ONEDNN_OPTS and the CPU; the public API does
-    not say which, its own test utilities read this same flag (`IsMklEnabled`)."""
-    from tensorflow.python.util import _pywrap_util_port
-    return "oneDNN" if _pywrap_util_port.IsMklEnabled() else "Eigen"
+    not say which, its own test utilities read this same flag (`IsMklEnabled`): a private
+    module, so a build without it says "unknown" rather than failing the run's report."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+        return "oneDNN" if _pywrap_util_port.IsMklEnabled() else "Eigen"
+    except (ImportError, AttributeError):
+        return "unknown"
 
 
 class MemoryMeter:
@@ -99,8 +103,9 @@ class MemoryMeter:
 
     def measured(self) -> dict:
         """GPUs: {"peak_bytes_per_device": {device: bytes}, "max_peak_bytes"}. CPUs: the
-        process's {"peak_rss_bytes", "baseline_rss_bytes", "peak_minus_baseline_bytes"} and
-        "tf_allocator_peak_bytes"."""
+        process's {"peak_rss_bytes", "peak_since", "baseline_rss_bytes",
+        "peak_minus_baseline_bytes", "cpu_kernels"} and, where the allocator keeps statistics,
+        "tf_allocator_peak_bytes". Both with "source", what was read."""
         if self.gpus:
             peaks = {gpu: int(tf.config.experimental.get_memory_info(gpu)["peak"]) for gpu in self.gpus}
             return {"source": "tf.config.experimental.get_memory_info", "peak_bytes_per_device": peaks,
