@@ -106,6 +106,39 @@ def test_backward_keeps_the_input_not_patches():
         assert int(np.prod(t.shape)) <= x_size, f"the backward reads {t.name} {t.shape}, bigger than x"
 
 
+@pytest.mark.parametrize("batch_sharded", [False, True])
+def test_weight_gradient_chunks_run_one_after_another(batch_sharded):
+    """Without a sharded batch, each chunk of the weight gradient gathers its patches only
+    after the previous chunk's einsum: one chunk of patches alive at a time (the executor may
+    otherwise run the cheap gathers ahead; TensorFlow's own CPU kernels did, holding 14 of
+    conv2's chunks at once). With one, a gather waits for the previous patches only (reading
+    a partial sum over `batch` would all-reduce it per chunk)."""
+    x, k, s, pad = _data(CASES["5x5_s1_same"])
+
+    def conv(a, b, s, pad):
+        return split_conv2d(a, b, s, pad, chunk_bytes=1, batch_sharded=batch_sharded)
+
+    graph = tf.function(lambda a, b: _forward_backward(conv, a, b, s, pad)).get_concrete_function(
+        tf.TensorSpec(x.shape), tf.TensorSpec(k.shape)).graph
+    einsums = [op for op in graph.get_operations()   # dW's: [taps, cin, cout], one per output row
+               if op.type == "Einsum" and op.outputs[0].shape.rank == 3]
+    gathers = [e.inputs[0].op.inputs[0].op for e in einsums]   # each one's patches: Reshape of a GatherV2
+    assert len(einsums) == 13 and {g.type for g in gathers} == {"GatherV2"}
+
+    def upstream(op):
+        seen, todo = set(), [op]
+        while todo:
+            for t in todo.pop().inputs:
+                if t.op not in seen:
+                    seen.add(t.op)
+                    todo.append(t.op)
+        return seen
+
+    waits = [einsums[i - 1] in upstream(gathers[i]) for i in range(1, 13)]
+    assert waits == [not batch_sharded] * 12, waits
+    assert all(gathers[i - 1] in upstream(gathers[i]) for i in range(1, 13))   # ordered in both
+
+
 MESHES = {"1x2": (1, 2), "1x4": (1, 4), "2x2": (2, 2)}
 
 
