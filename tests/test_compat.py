@@ -117,6 +117,13 @@ def test_profiler_step_marks_a_step_the_xspace_reader_finds(tmp_path):
     assert [s["step"] for s in steps] == [7], steps
 
 
+def test_onednn_enabled_reads_what_tensorflow_decided():
+    """A bool, never None on TensorFlow 2.21 (a build that moved the flag would say None), and
+    the decision a fresh process makes from TF_ENABLE_ONEDNN_OPTS (memory_measured's
+    cpu_kernels test checks both settings)."""
+    assert compat.onednn_enabled() in (True, False)
+
+
 def test_gpu_memory_limits_lists_no_gpu_on_this_cpu_only_machine():
     assert compat.gpu_memory_limits() == [] or tf.config.list_physical_devices("GPU")
 

@@ -155,6 +155,20 @@ def gpu_memory_limits() -> list[int]:
     return [d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU"]
 
 
+def onednn_enabled() -> bool | None:
+    """Whether this process runs oneDNN's CPU kernels (None where TensorFlow cannot say).
+
+    TensorFlow decides at start-up, from TF_ENABLE_ONEDNN_OPTS and the CPU (on by default
+    with AVX-512 on x86, off without it), and no public API reports the outcome; its own test
+    utilities read this flag (`test_util.IsMklEnabled`).
+    """
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return None
+
+
 # -- the profiler ----------------------------------------------------------------------------
 
 def profiler_step(step_num: int):

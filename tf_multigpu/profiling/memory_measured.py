@@ -79,15 +79,10 @@ def _reset_cpu_allocator_stats() -> bool:
 
 
 def cpu_kernels() -> str:
-    """"oneDNN" where TensorFlow runs oneDNN's CPU kernels in this process, else "Eigen".
-    TensorFlow decides at start-up from TF_ENABLE_ONEDNN_OPTS and the CPU; the public API does
-    not say which, its own test utilities read this same flag (`IsMklEnabled`): a private
-    module, so a build without it says "unknown" rather than failing the run's report."""
-    try:
-        from tensorflow.python.util import _pywrap_util_port
-        return "oneDNN" if _pywrap_util_port.IsMklEnabled() else "Eigen"
-    except (ImportError, AttributeError):
-        return "unknown"
+    """"oneDNN" where TensorFlow runs oneDNN's CPU kernels in this process, "Eigen" (its own)
+    where not, "unknown" where TensorFlow cannot say (compat.onednn_enabled)."""
+    from tf_multigpu.compat import onednn_enabled
+    return {True: "oneDNN", False: "Eigen", None: "unknown"}[onednn_enabled()]
 
 
 class MemoryMeter:
