@@ -17,8 +17,8 @@ One device's peak RSS moves from run to run with oneDNN's allocator (2.54, 2.74 
 in three runs of AlexNet at 64 on 2026-12-04; where it places tensors depends on the order
 independent ops run: BUILD_NOTES.md), and every ratio is taken against it: `--repeats=N`
 runs each configuration N times and keeps the run with the median peak, listing all N peaks
-under the table. The table also says which CPU kernels ran
-(oneDNN's or TensorFlow's own): the same step holds different memory with each.
+under the table. The table also says which CPU kernels ran (oneDNN's or TensorFlow's own):
+the same step holds different memory with each.
 """
 
 from __future__ import annotations
