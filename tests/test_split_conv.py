@@ -106,23 +106,23 @@ def test_backward_keeps_the_input_not_patches():
         assert int(np.prod(t.shape)) <= x_size, f"the backward reads {t.name} {t.shape}, bigger than x"
 
 
-@pytest.mark.parametrize("batch_sharded", [False, True])
-def test_weight_gradient_chunks_run_one_after_another(batch_sharded):
-    """Without a sharded batch, each chunk of the weight gradient gathers its patches only
-    after the previous chunk's einsum: one chunk of patches alive at a time (the executor may
+@pytest.mark.parametrize("batch_groups", [1, 2])
+def test_weight_gradient_chunks_run_one_after_another(batch_groups):
+    """Each chunk of the weight gradient gathers its patches only after the previous chunk's
+    einsum, in batch groups or not: one chunk of patches alive at a time (the executor may
     otherwise run the cheap gathers ahead; TensorFlow's own CPU kernels did, holding 14 of
-    conv2's chunks at once). With one, a gather waits for the previous patches only (reading
-    a partial sum over `batch` would all-reduce it per chunk)."""
+    conv2's chunks at once)."""
     x, k, s, pad = _data(CASES["5x5_s1_same"])
 
     def conv(a, b, s, pad):
-        return split_conv2d(a, b, s, pad, chunk_bytes=1, batch_sharded=batch_sharded)
+        return split_conv2d(a, b, s, pad, chunk_bytes=1, batch_groups=batch_groups)
 
     graph = tf.function(lambda a, b: _forward_backward(conv, a, b, s, pad)).get_concrete_function(
         tf.TensorSpec(x.shape), tf.TensorSpec(k.shape)).graph
-    einsums = [op for op in graph.get_operations()   # dW's: [taps, cin, cout], one per output row
-               if op.type == "Einsum" and op.outputs[0].shape.rank == 3]
-    gathers = [e.inputs[0].op.inputs[0].op for e in einsums]   # each one's patches: Reshape of a GatherV2
+    einsums = [op for op in graph.get_operations()   # dW's: [groups, taps, cin, cout], one per output row
+               if op.type == "Einsum" and op.get_attr("equation") == b"gbhwtc,gbhwd->gtcd"]
+    # each one's patches: a GatherV2, reshaped to [B, rows, cols, taps, cin], then into groups
+    gathers = [e.inputs[0].op.inputs[0].op.inputs[0].op for e in einsums]
     assert len(einsums) == 13 and {g.type for g in gathers} == {"GatherV2"}
 
     def upstream(op):
@@ -135,8 +135,7 @@ def test_weight_gradient_chunks_run_one_after_another(batch_sharded):
         return seen
 
     waits = [einsums[i - 1] in upstream(gathers[i]) for i in range(1, 13)]
-    assert waits == [not batch_sharded] * 12, waits
-    assert all(gathers[i - 1] in upstream(gathers[i]) for i in range(1, 13))   # ordered in both
+    assert waits == [True] * 12, waits
 
 
 MESHES = {"1x2": (1, 2), "1x4": (1, 4), "2x2": (2, 2)}
@@ -192,7 +191,7 @@ _COLLECTIVES_WORKER = textwrap.dedent("""
     def train_step(x, k):   # the name the graph dump filters on
         with tf.GradientTape() as tape:
             tape.watch([x, k])
-            loss = tf.reduce_sum(split_conv2d(x, k, 1, "SAME", chunk_bytes=int(sys.argv[1])) ** 2)
+            loss = tf.reduce_sum(split_conv2d(x, k, 1, "SAME", chunk_bytes=int(sys.argv[1]), batch_groups=2) ** 2)
         return tape.gradient(loss, [x, k])
     train_step(x, k)
     print(json.dumps([[c.op, c.payload_bytes, c.name[-60:]] for c in collectives.read_lowered_step(4)]))

@@ -70,9 +70,8 @@ def main(argv):
         with_dx = index > 0
         runs = {"stock": fwd_bwd(lambda a, b, s=stride, p=padding: tf.nn.conv2d(a, b, s, p), x, w, with_dx)}
         for c in FLAGS.chunk_mib:
-            runs[c] = fwd_bwd(lambda a, b, c=c, s=stride, p=padding, d=with_dx: split_conv2d(   # as on 1xM
-                a, b, s, p, need_input_grad=d, chunk_bytes=int(float(c) * 2**20), batch_sharded=False),
-                x, w, with_dx)
+            runs[c] = fwd_bwd(lambda a, b, c=c, s=stride, p=padding, d=with_dx: split_conv2d(
+                a, b, s, p, need_input_grad=d, chunk_bytes=int(float(c) * 2**20)), x, w, with_dx)
         best = {k: float("inf") for k in runs}
         for fn in runs.values():
             fn()   # trace and warm up

@@ -102,8 +102,7 @@ def row_chunks(n_rows: int, row_bytes: int, budget: int) -> list[tuple[int, int]
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool = False, after=None,
-                wait_for_patches: bool = False) -> list:
+def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool = False, after=None) -> list:
     """[fn(row0, row1, patches) for each chunk], patches [B, rows, ow, kh*kw, C] being the
     im2col of output rows [row0, row1) of a flattened image flat [B, hp*wp, C].
 
@@ -119,10 +118,6 @@ def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool
     again. tf.control_dependencies would say this, but DTensor's SPMD expansion drops control
     edges (measured: a 1x2 mesh ran every chunk at once), so the wait is a data dependency:
     the gather's indices add 0 computed from a scalar of the previous result.
-    wait_for_patches: wait for the previous chunk's patches instead, for an fn whose result
-    DTensor would otherwise all-reduce at once: the weight gradient's partial sums over a
-    sharded batch, which must reach their AddN unreduced to be all-reduced once. That orders
-    the gathers but not the gathers against fn: they may run ahead, every chunk's patches live.
     """
     c = flat.shape[-1]
     out = []
@@ -133,7 +128,7 @@ def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool
             index = index + _zero_from(prev)
         patches = tf.reshape(tf.gather(flat, index, axis=1), [-1, r1 - r0, ow, kh * kw, c])
         out.append(fn(r0, r1, patches))
-        prev = patches if wait_for_patches else out[-1]
+        prev = out[-1]
     return out
 
 
@@ -152,7 +147,7 @@ def _zero_from(t):
 CHUNK_BYTES = 32 * 2**20
 
 
-def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int, batch_sharded: bool):
+def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int, batch_groups: int):
     """Stride-1 convolution of x [B,H,W,C] by w [kh,kw,C,O], zero padding pads=((top, bottom),
     (left, right)), with a hand-written gradient.
 
@@ -166,14 +161,15 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int, batch_sharded:
     chunk of x's rows, so the `model` all-reduces of dx are one per chunk and add up to
     exactly the size of x (the padding is applied inside, so dx is not the padded x).
 
-    The weight gradient's chunks run one after another, each chunk's patches gathered after
-    the previous chunk's partial sum exists. Where the batch is sharded (a `batch` axis > 1)
-    that partial sum is a sum over `batch` that DTensor would all-reduce on the spot if read
-    (13 all-reduces of the kernel shard instead of one, measured on 2x2), so there each
-    gather waits for the previous chunk's patches only: that orders the gathers but lets them
-    run ahead of the einsums, which TensorFlow's own (Eigen) kernels did -- 14 chunks of
-    conv2's patches alive at once, 0.5 GiB, at model 1x2's peak (BUILD_NOTES.md,
-    "Sixteenth session").
+    The weight gradient's chunks run one after another too, each chunk's patches gathered
+    after the previous chunk's einsum (waiting for the previous patches only let the gathers
+    run ahead of the einsums, and TensorFlow's own CPU kernels did: 14 chunks of conv2's
+    patches alive at model 1x2's peak, BUILD_NOTES.md "Sixteenth session"). Over a sharded
+    batch, a chunk's sum over the batch would be a partial sum that DTensor all-reduces as
+    soon as it is read (13 all-reduces of the kernel shard instead of one, on 2x2); so the
+    batch is split into `batch_groups` groups (the mesh's `batch` size) on an axis of its
+    own, which DTensor keeps sharded, each chunk sums within its group only, and the groups
+    are summed once at the end: one all-reduce.
     """
     kh, kw, c, o = w.shape
     h, wd = x.shape[1], x.shape[2]
@@ -197,12 +193,14 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int, batch_sharded:
         y = tf.concat(ys, axis=1) if len(ys) > 1 else ys[0]
 
         def grad(dy):
-            # dW = sum over chunks of P_chunk^T dy_chunk: AddN of the partial sums, which
-            # DTensor's all-reduce-sum optimisation turns into ONE `batch` all-reduce.
-            parts = _map_chunks(lambda r0, r1, p: tf.einsum("bhwtc,bhwd->tcd", p, dy[:, r0:r1]),
-                                flat_padded(x), wp, kh, kw, ow, y_chunks, after=dy,  # not during the forward
-                                wait_for_patches=batch_sharded)
-            dw = tf.reshape(tf.add_n(parts) if len(parts) > 1 else parts[0], [kh, kw, c, o])
+            # dW = sum over groups and chunks of P_chunk^T dy_chunk: per chunk [groups, taps,
+            # cin, cout], sharded on `batch` by group, summed over the groups once (one all-reduce).
+            def grouped(t):
+                return tf.reshape(t, [batch_groups, -1, *t.shape[1:]])
+
+            parts = _map_chunks(lambda r0, r1, p: tf.einsum("gbhwtc,gbhwd->gtcd", grouped(p), grouped(dy[:, r0:r1])),
+                                flat_padded(x), wp, kh, kw, ow, y_chunks, after=dy)  # not during the forward
+            dw = tf.reshape(tf.reduce_sum(tf.add_n(parts) if len(parts) > 1 else parts[0], axis=0), [kh, kw, c, o])
             if not need_input_grad:
                 return None, dw
             # dx[b,r,q,:] = sum_{i,j,d} dy[b, r+pt-i, q+pl-j, d] * w[i,j,:,d] (dy = 0 outside):
@@ -223,7 +221,7 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int, batch_sharded:
 
 
 def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True, chunk_bytes=CHUNK_BYTES,
-                 batch_sharded=True):
+                 batch_groups=1):
     """Exact replacement for tf.nn.conv2d(x, kernel, strides, padding) (NHWC, HWIO, no dilation)
     that DTensor accepts with `kernel` sharded on its output channels.
 
@@ -242,9 +240,9 @@ def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True, chu
       need_input_grad: False for a first layer: the backward then skips the input gradient
         (and its all-reduce); the gradient w.r.t. x is None.
       chunk_bytes: most bytes of patches (global shape) built at once, in either pass.
-      batch_sharded: whether x's batch may be sharded (a mesh's `batch` axis > 1). False lets
-        the weight gradient hold one chunk of patches at a time (see _conv_s1); True, always
-        correct, lets its gathers run ahead of the einsums.
+      batch_groups: the size of the mesh's `batch` axis, which must divide the batch. Any
+        value computes the same; with fewer groups than a sharded batch has shards, DTensor
+        all-reduces the weight gradient once per chunk instead of once (see _conv_s1).
     """
     s = _stride(strides)
     padding = padding.upper()
@@ -259,7 +257,7 @@ def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True, chu
         # AVX512-FP16; 0.003 in float32), and by 0.20 in bfloat16 (AMD EPYC with AVX2 and no
         # AVX-512; 0.046 in float32, where the data-parallel step is 0.03 from one device's).
         y = split_conv2d(tf.cast(x, tf.float32), tf.cast(kernel, tf.float32), strides, padding,
-                         need_input_grad, chunk_bytes, batch_sharded)
+                         need_input_grad, chunk_bytes, batch_groups)
         return tf.cast(y, x.dtype)
     kh, kw = kernel.shape[0], kernel.shape[1]
     pads = ((0, 0), (0, 0))
@@ -267,7 +265,7 @@ def split_conv2d(x, kernel, strides=1, padding="SAME", need_input_grad=True, chu
         x, kernel = _space_to_depth(x, kernel, s, padding)
     elif padding == "SAME":
         pads = (same_pads(x.shape[1], kh, 1), same_pads(x.shape[2], kw, 1))
-    return _conv_s1(x, kernel, pads, need_input_grad, chunk_bytes, batch_sharded)
+    return _conv_s1(x, kernel, pads, need_input_grad, chunk_bytes, batch_groups)
 
 
 def _stride(strides) -> int:

@@ -63,7 +63,7 @@ class SplitConv2D(_Gathers, keras.layers.Conv2D):
 
     def convolution_op(self, inputs, kernel):
         return split_conv2d(self._gather(inputs), kernel, self.strides, self.padding,
-                            need_input_grad=self.need_input_grad, batch_sharded=self.mesh.dim_size("batch") > 1)
+                            need_input_grad=self.need_input_grad, batch_groups=self.mesh.dim_size("batch"))
 
 
 class SlicePool2D(keras.layers.MaxPooling2D):
