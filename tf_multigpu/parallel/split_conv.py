@@ -12,8 +12,9 @@ unsharded; the batch is sharded on `batch`, so slicing it would make DTensor rel
                                      sharded on `batch`), W: kernel as [kh*kw*cin, cout]
                                      (cout sharded); the chunks' y are concatenated.
     backward  dW = sum P^T @ dy     P rebuilt chunk by chunk from x (the only activation the
-                                     backward keeps); cout stays sharded; the partial sums are
-                                     added first, so DTensor emits ONE all-reduce over `batch`.
+                                     backward keeps); cout stays sharded; each chunk sums
+                                     within the batch's groups (an axis sharded on `batch`),
+                                     the groups are summed at the end: ONE all-reduce.
               dx = Q . W3            Q: patches of the padded dy taken with FLIPPED offsets,
                                      for a chunk of x's rows, [b,rows,w,kh*kw,cout], contracted
                                      with W3 = kernel as [kh*kw, cin, cout] over (tap, cout).
@@ -137,7 +138,8 @@ def _zero_from(t):
     for an image or patches; under DTensor one all-reduce of 4 bytes) compared with +inf, which
     nothing -- not even NaN -- exceeds. Graph optimisers cannot fold it away. Only unsharded
     dimensions are sliced: slicing a sharded one makes DTensor gather the whole tensor."""
-    first = tf.reduce_sum(t[:, :1, :1] if t.shape.rank >= 4 else t)   # [batch, rows, cols, ...]
+    # [batch, rows, cols, ...], or a weight-gradient chunk [groups, taps, cin, cout]
+    first = tf.reduce_sum(t[:, :1, :1] if t.shape.rank >= 4 else t)
     return tf.cast(first > float("inf"), tf.int32)
 
 
@@ -200,7 +202,7 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int, batch_groups: 
 
             parts = _map_chunks(lambda r0, r1, p: tf.einsum("gbhwtc,gbhwd->gtcd", grouped(p), grouped(dy[:, r0:r1])),
                                 flat_padded(x), wp, kh, kw, ow, y_chunks, after=dy)  # not during the forward
-            dw = tf.reshape(tf.reduce_sum(tf.add_n(parts) if len(parts) > 1 else parts[0], axis=0), [kh, kw, c, o])
+            dw = tf.reshape(tf.reduce_sum(tf.add_n(parts), axis=0), [kh, kw, c, o])
             if not need_input_grad:
                 return None, dw
             # dx[b,r,q,:] = sum_{i,j,d} dy[b, r+pt-i, q+pl-j, d] * w[i,j,:,d] (dy = 0 outside):
