@@ -119,9 +119,13 @@ def test_weight_gradient_chunks_run_one_after_another(batch_groups):
 
     graph = tf.function(lambda a, b: _forward_backward(conv, a, b, s, pad)).get_concrete_function(
         tf.TensorSpec(x.shape), tf.TensorSpec(k.shape)).graph
-    einsums = [op for op in graph.get_operations()   # dW's: [groups, taps, cin, cout], one per output row
-               if op.type == "Einsum" and op.get_attr("equation") == b"gbhwtc,gbhwd->gtcd"]
-    # each one's patches: a GatherV2, reshaped to [B, rows, cols, taps, cin], then into groups
+    def weight_grad(op):   # dW's, one per output row: [groups, taps, cin, cout] or [taps * cin, cout]
+        if batch_groups > 1:
+            return op.type == "Einsum" and op.get_attr("equation") == b"gbhwtc,gbhwd->gtcd"
+        return op.type == "MatMul" and op.get_attr("transpose_a")
+
+    einsums = [op for op in graph.get_operations() if weight_grad(op)]
+    # each one's patches: a GatherV2, reshaped to [B, rows, cols, taps, cin], then into groups or rows
     gathers = [e.inputs[0].op.inputs[0].op.inputs[0].op for e in einsums]
     assert len(einsums) == 13 and {g.type for g in gathers} == {"GatherV2"}
 
