@@ -504,26 +504,35 @@ def test_strategy_auto_takes_a_shipped_profile():
 @pytest.mark.slow
 def test_communication_report_measures_the_bytes_the_planner_predicts(profiled_runs):
     """Per algorithm, the bytes the run's own lowered graph moves (the comm report) are the
-    planner's: MirroredStrategy's ring all-reduce on 4 CPUs (data), DTensor's lowering on a
-    1x2 and a 2x2 mesh (the split inputs all-gathered, their gradients all-reduced, not
-    reduce-scattered, and 3 values per example for the softmax over split classes). The
-    report files a hybrid group's (32-row) input gradient under gradients, so kinds are summed;
-    the loss and metric scalars are not modelled. The runs (global batch 64) are conftest's."""
+    planner's: MirroredStrategy's ring all-reduce on 4 CPUs (data), its reduction to one
+    device (`--all_reduce=one_device`: copies and an AddN, counted from the graph's edges),
+    DTensor's lowering on a 1x2 and a 2x2 mesh (the split inputs all-gathered, their gradients
+    all-reduced, not reduce-scattered, and 3 values per example for the softmax over split
+    classes). The report files a hybrid group's (32-row) input gradient under gradients, so
+    kinds are summed; the loss and metric scalars are not modelled. The runs (global batch 64)
+    are conftest's."""
     cost = planner.analyze(build_model("small_convnet", (8, 8, 1), 10))
-    for name, plan in [("data4", ("data", 4, 1, "")), ("model2", ("model", 1, 2, "filter_split")),
-                       ("hybrid4", ("hybrid", 2, 2, "filter_split"))]:
+    for name, plan, all_reduce in [("data4", ("data", 4, 1, ""), ""), ("data4_star", ("data", 4, 1, ""), "one_device"),
+                                   ("model2", ("model", 1, 2, "filter_split"), ""),
+                                   ("hybrid4", ("hybrid", 2, 2, "filter_split"), "")]:
         run_dir = profiled_runs[name]
         moved = _read_json(run_dir, "comm_report.json")["bytes_per_device"]
-        predicted = predict_plan(cost, _profile(), 64, *plan)
+        predicted = predict_plan(cost, _profile(), 64, *plan, Assumptions(all_reduce=all_reduce))
         measured = sum(moved[kind]["moved_bytes"] for kind in ("gradients", "parameters", "activations"))
         assert measured == pytest.approx(predicted.grad_comm_bytes + predicted.activation_comm_bytes), name
-        if name == "data4":
+        if name.startswith("data4"):
+            # The same bytes on average for both algorithms; where they go differs: every ring
+            # device sends 1.5 x the gradients, the star's root sends them back 3 times.
             assert moved["gradients"]["moved_bytes"] == pytest.approx(predicted.grad_comm_bytes)
+            busiest = planner.comm.busiest_sent_bytes(predicted.algorithm, "all_reduce", 4, cost.param_bytes)
+            assert moved["gradients"]["busiest_sent_bytes"] == pytest.approx(busiest), name
+            assert busiest == pytest.approx(cost.param_bytes * (3 if all_reduce else 1.5)), name
         # A model-only mesh gathers with CollectiveGatherV2; a 2-D mesh keeps DTensor's padded
         # all-reduce, whose CollectiveGatherV2 is wrong there (parallel/dtensor_mesh.py).
         gathers = {c["op_type"] for c in _read_json(run_dir, "comm_report.json")["collectives"]
                    if c["op"] == "all_gather" and c["forward"]}
-        want = {"data4": set(), "model2": {"CollectiveGatherV2"}, "hybrid4": {"CollectiveReduceV2"}}[name]
+        want = {"data4": set(), "data4_star": set(), "model2": {"CollectiveGatherV2"},
+                "hybrid4": {"CollectiveReduceV2"}}[name]
         assert gathers == want, (name, gathers)
 
 

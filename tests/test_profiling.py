@@ -45,6 +45,22 @@ def test_data_parallel_report_counts_the_gradient_all_reduce(profiled_runs, name
     assert report["bytes_per_device"]["activations"]["moved_bytes"] == 0
 
 
+def test_reduction_to_one_device_is_counted_from_its_copies(profiled_runs):
+    """`--all_reduce=one_device` runs no collective op: per gradient, 3 copies into the first
+    of 4 devices, an AddN there, and one copy back to each other device. The report counts
+    those copies from the step's graph: the ring's bytes on average, 3 gradients sent by the
+    first device."""
+    report = _report(profiled_runs["data4_star"])
+    grads = report["bytes_per_device"]["gradients"]
+    trainable_bytes = SMALL_CONVNET_PARAMS * 4
+    stars = [c for c in report["collectives"] if c["kind"] == "gradients"]
+    assert {(c["op_type"], c["group_size"], c["copies_in"], c["copies_out"]) for c in stars} == {("AddN", 4, 3, 3)}
+    assert grads["payload_bytes"] == trainable_bytes and grads["ops"] == len(stars) > 1
+    assert grads["moved_bytes"] == pytest.approx(trainable_bytes * 2 * 3 / 4)
+    assert grads["busiest_sent_bytes"] == pytest.approx(trainable_bytes * 3)
+    assert grads["minimum_bytes"] == pytest.approx(grads["moved_bytes"])
+
+
 def test_trace_holds_named_gradient_all_reduces_and_steps(profiled_runs):
     """The trace is the profiler's own XSpace, with step markers and the all-reduce under
     allreduce/gradients; TensorBoard gets the report's scalars."""

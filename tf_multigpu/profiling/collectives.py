@@ -3,14 +3,18 @@
 Read from TensorFlow's own graphs, not from our code's intentions, so the report shows what
 really runs:
 - tf.distribute (`single`, `data`): the traced step function's graph, where the all-reduces
-  are ops with static input shapes (MirroredStrategy packs all gradients into one tensor).
+  are ops with static input shapes (MirroredStrategy packs all gradients into one tensor), or,
+  with `--all_reduce=one_device`, no collective op at all: copies to one device, an AddN
+  there, copies back, counted from the graph's cross-device edges.
 - DTensor (`model`, `hybrid`): collectives exist only after DTensor's SPMD expansion, which
   happens in the runtime; TensorFlow writes that graph when TF_DUMP_GRAPH_PREFIX is set
   before it starts (`enable_graph_dumps`), and we parse it.
 
 Bytes moved per device follow the algorithm each op runs: an all-reduce over g devices moves
 2(g-1)/g of its payload per device (ring: reduce-scatter then all-gather), an all-gather or a
-reduce-scatter (g-1)/g, an all-to-all (g-1)/g. On a model-only mesh DTensor lowers an
+reduce-scatter (g-1)/g, an all-to-all (g-1)/g; a reduction to one device moves its counted
+copies / g on average, the same 2(g-1)/g, but all through the reducing device, which sends
+g-1 payloads (`busiest_sent_bytes`; a ring device sends 2(g-1)/g). On a model-only mesh DTensor lowers an
 all-gather to a CollectiveGatherV2 between two transposes (parallel/dtensor_mesh.py); on a
 mesh with a batch axis, to an all-reduce of a zero-padded buffer (`CollectiveReduceV2` named
 `DTensorAllGatherOp`). Both are counted as gathers.
@@ -45,14 +49,29 @@ class CollectiveOp:
     group_size: int
     forward: bool      # part of the forward pass (not the gradient computation or update)
     op_type: str = ""  # the TensorFlow op that runs it, e.g. CollectiveGatherV2
+    # A reduction to one device (no collective op: copies in, a sum, copies back) counts its
+    # copies from the graph's edges: into the reducing device, and out of it. 0 for a collective op.
+    copies_in: int = 0
+    copies_out: int = 0
 
     @property
     def moved_bytes(self) -> float:
+        """Bytes one device of the group sends, averaged over the group."""
         g = self.group_size
         if g <= 1:
             return 0.0
+        if self.copies_in or self.copies_out:
+            return self.payload_bytes * (self.copies_in + self.copies_out) / g
         factor = 2 * (g - 1) / g if self.op == "all_reduce" else (g - 1) / g
         return self.payload_bytes * factor
+
+    @property
+    def busiest_sent_bytes(self) -> float:
+        """Bytes the device that sends most sends: moved_bytes for the ring algorithms, where
+        every device sends alike; for a reduction to one device, that device's copies back."""
+        if self.copies_in or self.copies_out:
+            return self.payload_bytes * max(self.copies_out, 1 if self.copies_in else 0)
+        return self.moved_bytes
 
 
 def _op_kind(op_type: str) -> str | None:
@@ -81,6 +100,28 @@ def from_function_graph(graph, device: str) -> list[CollectiveOp]:
         group = _group_size(op)
         kind = "scalars" if tensor.shape.rank == 0 else "gradients"   # data parallelism reduces only gradients
         found.append(CollectiveOp(op.name, kind_of_op, kind, payload, group, forward=False, op_type=op.type))
+    return found + reductions_to_one_device(graph)
+
+
+def reductions_to_one_device(graph) -> list[CollectiveOp]:
+    """The all-reduces of `--all_reduce=one_device` (tf.distribute.ReductionToOneDevice) in a
+    traced step: they have no collective op. Each is an AddN on the reducing device whose other
+    inputs come from the other replicas' devices (a copy each), and whose sum is read on the
+    other devices (one copy per device: TensorFlow sends a tensor once to each device that
+    reads it). Counted from those edges, for every device of the group."""
+    found = []
+    for op in graph.get_operations():
+        if op.type != "AddN" or not op.device:
+            continue
+        senders = [t.op.device for t in op.inputs if t.op.device and t.op.device != op.device]
+        if not senders:
+            continue
+        readers = {c.device for c in op.outputs[0].consumers() if c.device and c.device != op.device}
+        tensor = op.outputs[0]
+        found.append(CollectiveOp(op.name, "all_reduce", "scalars" if tensor.shape.rank == 0 else "gradients",
+                                  int(np.prod(tensor.shape.as_list())) * tensor.dtype.size,
+                                  len({op.device, *senders, *readers}), forward=False, op_type="AddN",
+                                  copies_in=len(senders), copies_out=len(readers)))
     return found
 
 
@@ -236,10 +277,12 @@ def _shape(node):
 
 
 def totals(collectives: list[CollectiveOp]) -> dict:
-    """{kind: {"payload_bytes", "moved_bytes", "ops"}} per step per device."""
-    out = {k: {"payload_bytes": 0, "moved_bytes": 0.0, "ops": 0} for k in KINDS}
+    """{kind: {"payload_bytes", "moved_bytes", "busiest_sent_bytes", "ops"}} per step per device
+    (busiest_sent_bytes: summed per op, which is the busiest device's when one device reduces them all)."""
+    out = {k: {"payload_bytes": 0, "moved_bytes": 0.0, "busiest_sent_bytes": 0.0, "ops": 0} for k in KINDS}
     for c in collectives:
         out[c.kind]["payload_bytes"] += c.payload_bytes
         out[c.kind]["moved_bytes"] += c.moved_bytes
+        out[c.kind]["busiest_sent_bytes"] += c.busiest_sent_bytes
         out[c.kind]["ops"] += 1
     return out
