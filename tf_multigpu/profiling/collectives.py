@@ -14,10 +14,10 @@ Bytes moved per device follow the algorithm each op runs: an all-reduce over g d
 2(g-1)/g of its payload per device (ring: reduce-scatter then all-gather), an all-gather or a
 reduce-scatter (g-1)/g, an all-to-all (g-1)/g; a reduction to one device moves its counted
 copies / g on average, the same 2(g-1)/g, but all through the reducing device, which sends
-g-1 payloads (`busiest_sent_bytes`; a ring device sends 2(g-1)/g). On a model-only mesh DTensor lowers an
-all-gather to a CollectiveGatherV2 between two transposes (parallel/dtensor_mesh.py); on a
-mesh with a batch axis, to an all-reduce of a zero-padded buffer (`CollectiveReduceV2` named
-`DTensorAllGatherOp`). Both are counted as gathers.
+g-1 payloads (`busiest_sent_bytes`; a ring device sends 2(g-1)/g). On a model-only mesh
+DTensor lowers an all-gather to a CollectiveGatherV2 between two transposes
+(parallel/dtensor_mesh.py); on a mesh with a batch axis, to an all-reduce of a zero-padded
+buffer (`CollectiveReduceV2` named `DTensorAllGatherOp`). Both are counted as gathers.
 """
 
 from __future__ import annotations
