@@ -43,6 +43,7 @@ def test_data_parallel_report_counts_the_gradient_all_reduce(profiled_runs, name
     assert grads["moved_bytes"] == pytest.approx(trainable_bytes * 2 * (devices - 1) / devices)
     assert grads["minimum_bytes"] == pytest.approx(grads["moved_bytes"])
     assert report["bytes_per_device"]["activations"]["moved_bytes"] == 0
+    assert not [c for c in report["collectives"] if c["op_type"] == "AddN"]   # no star read into a ring
 
 
 def test_reduction_to_one_device_is_counted_from_its_copies(profiled_runs):
@@ -55,6 +56,7 @@ def test_reduction_to_one_device_is_counted_from_its_copies(profiled_runs):
     trainable_bytes = SMALL_CONVNET_PARAMS * 4
     stars = [c for c in report["collectives"] if c["kind"] == "gradients"]
     assert {(c["op_type"], c["group_size"], c["copies_in"], c["copies_out"]) for c in stars} == {("AddN", 4, 3, 3)}
+    assert len(stars) == len(report["collectives"])   # the loss sums the host reads are no all-reduces
     assert grads["payload_bytes"] == trainable_bytes and grads["ops"] == len(stars) > 1
     assert grads["moved_bytes"] == pytest.approx(trainable_bytes * 2 * 3 / 4)
     assert grads["busiest_sent_bytes"] == pytest.approx(trainable_bytes * 3)

@@ -109,7 +109,7 @@ def test_backward_keeps_the_input_not_patches():
 @pytest.mark.parametrize("batch_groups", [1, 2])
 def test_weight_gradient_chunks_run_one_after_another(batch_groups):
     """Each chunk of the weight gradient gathers its patches only after the previous chunk's
-    einsum, in batch groups or not: one chunk of patches alive at a time (the executor may
+    product (a grouped einsum, or one MatMul without groups): one chunk of patches alive at a time (the executor may
     otherwise run the cheap gathers ahead; TensorFlow's own CPU kernels did, holding 14 of
     conv2's chunks at once)."""
     x, k, s, pad = _data(CASES["5x5_s1_same"])
@@ -124,10 +124,10 @@ def test_weight_gradient_chunks_run_one_after_another(batch_groups):
             return op.type == "Einsum" and op.get_attr("equation") == b"gbhwtc,gbhwd->gtcd"
         return op.type == "MatMul" and op.get_attr("transpose_a")
 
-    einsums = [op for op in graph.get_operations() if weight_grad(op)]
+    products = [op for op in graph.get_operations() if weight_grad(op)]
     # each one's patches: a GatherV2, reshaped to [B, rows, cols, taps, cin], then into groups or rows
-    gathers = [e.inputs[0].op.inputs[0].op.inputs[0].op for e in einsums]
-    assert len(einsums) == 13 and {g.type for g in gathers} == {"GatherV2"}
+    gathers = [e.inputs[0].op.inputs[0].op.inputs[0].op for e in products]
+    assert len(products) == 13 and {g.type for g in gathers} == {"GatherV2"}
 
     def upstream(op):
         seen, todo = set(), [op]
@@ -138,7 +138,7 @@ def test_weight_gradient_chunks_run_one_after_another(batch_groups):
                     todo.append(t.op)
         return seen
 
-    waits = [einsums[i - 1] in upstream(gathers[i]) for i in range(1, 13)]
+    waits = [products[i - 1] in upstream(gathers[i]) for i in range(1, 13)]
     assert waits == [True] * 12, waits
 
 

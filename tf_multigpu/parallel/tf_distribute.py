@@ -48,8 +48,9 @@ class DistributeParallelism:
     """Runs a single-replica step function on every replica of a tf.distribute strategy."""
 
     def __init__(self, strategy: tf.distribute.Strategy, devices, global_batch: int, name: str,
-                 input_shard: tuple = (0, 1), batchnorm: str = "sync"):
+                 input_shard: tuple = (0, 1), batchnorm: str = "sync", all_reduce: str = "auto"):
         self.strategy = strategy
+        self.all_reduce = all_reduce   # --all_reduce: the communication report reads one_device's copies
         self.batchnorm = batchnorm   # sync: statistics over the global batch; per_replica: over each share
         self.devices = list(devices)
         self.name = name
@@ -69,7 +70,7 @@ class DistributeParallelism:
         new_mirrored_collective_keys()   # a second strategy in one process needs its own
         strategy = tf.distribute.MirroredStrategy(
             devices=list(devices), cross_device_ops=cross_device_ops(all_reduce, devices))
-        return cls(strategy, devices, global_batch, name, batchnorm=batchnorm)
+        return cls(strategy, devices, global_batch, name, batchnorm=batchnorm, all_reduce=all_reduce)
 
     @classmethod
     def multi_worker(cls, runtime, global_batch: int, batchnorm: str = "sync"):

@@ -86,10 +86,12 @@ def _op_kind(op_type: str) -> str | None:
     return None
 
 
-def from_function_graph(graph, device: str) -> list[CollectiveOp]:
+def from_function_graph(graph, device: str, one_device: bool = False) -> list[CollectiveOp]:
     """Collectives on `device` at the top level of a traced tf.distribute step function:
     the graph of one step (`DistributeParallelism.compile(...).one_step`), which holds exactly
-    that step's collectives."""
+    that step's collectives; with `one_device` (the run's --all_reduce), also its reductions
+    to one device, which have no collective op. (Not inside control flow: float16's loss
+    scaling reduces the gradients in a `cond` branch, which neither reading sees.)"""
     found = []
     for op in graph.get_operations():
         kind_of_op = _op_kind(op.type)
@@ -100,27 +102,32 @@ def from_function_graph(graph, device: str) -> list[CollectiveOp]:
         group = _group_size(op)
         kind = "scalars" if tensor.shape.rank == 0 else "gradients"   # data parallelism reduces only gradients
         found.append(CollectiveOp(op.name, kind_of_op, kind, payload, group, forward=False, op_type=op.type))
-    return found + reductions_to_one_device(graph)
+    return found + (reductions_to_one_device(graph) if one_device else [])
 
 
 def reductions_to_one_device(graph) -> list[CollectiveOp]:
     """The all-reduces of `--all_reduce=one_device` (tf.distribute.ReductionToOneDevice) in a
-    traced step: they have no collective op. Each is an AddN on the reducing device whose other
-    inputs come from the other replicas' devices (a copy each), and whose sum is read on the
-    other devices (one copy per device: TensorFlow sends a tensor once to each device that
-    reads it). Counted from those edges, for every device of the group."""
+    traced step, which have no collective op. Each is an AddN on the reducing device whose other
+    inputs come from the other replicas' devices (a copy of each tensor), and whose sum is read
+    on the other devices (one copy per device: TensorFlow sends a tensor once to each device
+    that reads it). Counted from those edges, for every device of the group.
+
+    Only sums read back elsewhere are all-reduces: the loss and metric sums the host reads
+    (`strategy.reduce`) are AddNs nobody else reads, reduces to one device, and not counted.
+    The optimizer sums its gradients (SUM); a MEAN would put a division between the AddN and
+    the copies back, which this does not follow."""
     found = []
     for op in graph.get_operations():
         if op.type != "AddN" or not op.device:
             continue
-        senders = [t.op.device for t in op.inputs if t.op.device and t.op.device != op.device]
-        if not senders:
-            continue
+        senders = {t.name: t.op.device for t in op.inputs if t.op.device and t.op.device != op.device}
         readers = {c.device for c in op.outputs[0].consumers() if c.device and c.device != op.device}
+        if not senders or not readers:
+            continue
         tensor = op.outputs[0]
         found.append(CollectiveOp(op.name, "all_reduce", "scalars" if tensor.shape.rank == 0 else "gradients",
                                   int(np.prod(tensor.shape.as_list())) * tensor.dtype.size,
-                                  len({op.device, *senders, *readers}), forward=False, op_type="AddN",
+                                  len({op.device, *senders.values(), *readers}), forward=False, op_type="AddN",
                                   copies_in=len(senders), copies_out=len(readers)))
     return found
 

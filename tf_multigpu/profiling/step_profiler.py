@@ -53,7 +53,7 @@ class StepProfiler:
                 found = []
         else:
             graph = train_fn.one_step.get_concrete_function(iterator).graph
-            found = coll.from_function_graph(graph, self.par.devices[0])
+            found = coll.from_function_graph(graph, self.par.devices[0], self.par.all_reduce == "one_device")
         self.collectives = found
         return sums
 
