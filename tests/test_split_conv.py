@@ -109,9 +109,9 @@ def test_backward_keeps_the_input_not_patches():
 @pytest.mark.parametrize("batch_groups", [1, 2])
 def test_weight_gradient_chunks_run_one_after_another(batch_groups):
     """Each chunk of the weight gradient gathers its patches only after the previous chunk's
-    product (a grouped einsum, or one MatMul without groups): one chunk of patches alive at a time (the executor may
-    otherwise run the cheap gathers ahead; TensorFlow's own CPU kernels did, holding 14 of
-    conv2's chunks at once)."""
+    product (a grouped einsum, or one MatMul without groups): one chunk of patches alive at a
+    time (the executor may otherwise run the cheap gathers ahead; TensorFlow's own CPU kernels
+    did, holding 14 of conv2's chunks at once)."""
     x, k, s, pad = _data(CASES["5x5_s1_same"])
 
     def conv(a, b, s, pad):

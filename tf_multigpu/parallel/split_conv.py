@@ -183,9 +183,10 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int, batch_groups: 
     exactly the size of x (the padding is applied inside, so dx is not the padded x).
 
     The weight gradient's chunks run one after another too, each chunk's patches gathered
-    after the previous chunk's product (`_weight_grad_part`; waiting for the previous patches only let the gathers
-    run ahead of the einsums, and TensorFlow's own CPU kernels did: 14 chunks of conv2's
-    patches alive at model 1x2's peak, BUILD_NOTES.md "Sixteenth session"). Over a sharded
+    after the previous chunk's product (`_weight_grad_part`; waiting for the previous patches
+    only let the gathers run ahead of the products, and TensorFlow's own CPU kernels did: 14
+    chunks of conv2's patches alive at model 1x2's peak, BUILD_NOTES.md "Sixteenth
+    session"). Over a sharded
     batch, a chunk's sum over the batch would be a partial sum that DTensor all-reduces as
     soon as it is read (13 all-reduces of the kernel shard instead of one, on 2x2); so the
     batch is split into `batch_groups` groups (the mesh's `batch` size) on an axis of its

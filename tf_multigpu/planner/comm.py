@@ -144,16 +144,20 @@ def moved_bytes(algorithm: str, op: str, n: int, nbytes: float) -> float:
     """Bytes one device sends per collective, averaged over the group: what the communication
     report counts (its `moved_bytes`). Ring, star and hierarchical copy all-reduces all move
     2(n-1)/n x nbytes in total per device; they differ in which links carry them."""
-    sent = sum(size for phase in schedule(algorithm, op, range(n), nbytes) for _, _, size in phase)
-    return sent / n if n > 1 else 0.0
+    return sum(_sent_by_device(algorithm, op, n, nbytes).values()) / n if n > 1 else 0.0
 
 
 def busiest_sent_bytes(algorithm: str, op: str, n: int, nbytes: float) -> float:
     """Bytes the device that sends most sends per collective (the communication report's
     `busiest_sent_bytes`): moved_bytes for a ring, where every device sends alike; n-1 whole
     tensors from the root of a star, whose copies back all leave that one device."""
+    return max(_sent_by_device(algorithm, op, n, nbytes).values(), default=0.0)
+
+
+def _sent_by_device(algorithm: str, op: str, n: int, nbytes: float) -> dict:
+    """{device: bytes it sends} over all phases of one collective on devices 0..n-1."""
     sent = {}
     for phase in schedule(algorithm, op, range(n), nbytes):
         for src, _, size in phase:
             sent[src] = sent.get(src, 0.0) + size
-    return max(sent.values(), default=0.0)
+    return sent

@@ -50,7 +50,8 @@ class CollectiveOp:
     forward: bool      # part of the forward pass (not the gradient computation or update)
     op_type: str = ""  # the TensorFlow op that runs it, e.g. CollectiveGatherV2
     # A reduction to one device (no collective op: copies in, a sum, copies back) counts its
-    # copies from the graph's edges: into the reducing device, and out of it. 0 for a collective op.
+    # copies from the graph's edges: into the reducing device, and out of it (at least one,
+    # reductions_to_one_device keeps only sums read back). 0 for a collective op.
     copies_in: int = 0
     copies_out: int = 0
 
@@ -60,7 +61,7 @@ class CollectiveOp:
         g = self.group_size
         if g <= 1:
             return 0.0
-        if self.copies_in or self.copies_out:
+        if self.copies_out:
             return self.payload_bytes * (self.copies_in + self.copies_out) / g
         factor = 2 * (g - 1) / g if self.op == "all_reduce" else (g - 1) / g
         return self.payload_bytes * factor
@@ -69,9 +70,7 @@ class CollectiveOp:
     def busiest_sent_bytes(self) -> float:
         """Bytes the device that sends most sends: moved_bytes for the ring algorithms, where
         every device sends alike; for a reduction to one device, that device's copies back."""
-        if self.copies_in or self.copies_out:
-            return self.payload_bytes * max(self.copies_out, 1 if self.copies_in else 0)
-        return self.moved_bytes
+        return self.payload_bytes * self.copies_out if self.copies_out else self.moved_bytes
 
 
 def _op_kind(op_type: str) -> str | None:

@@ -61,7 +61,7 @@ def to_markdown(report: dict) -> str:
               "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for kind, t in report["bytes_per_device"].items():
         lines.append(f"| {kind} | {t['ops']} | {t['payload_bytes'] / MIB:.3f} | {t['moved_bytes'] / MIB:.3f} | "
-                     f"{t.get('busiest_sent_bytes', t['moved_bytes']) / MIB:.3f} | {t['minimum_bytes'] / MIB:.3f} |")
+                     f"{t['busiest_sent_bytes'] / MIB:.3f} | {t['minimum_bytes'] / MIB:.3f} |")
     fwd = report["forward_activation_gathers"]
     if fwd["analytic_payload_bytes"]:
         lines += ["", (f"Forward activation all-gathers: {fwd['measured_payload_bytes'] / MIB:.3f} MiB measured, "
