@@ -132,6 +132,7 @@ def profiled_runs(tmp_path_factory):
         "data2": train("data2", "--strategy=data", "--cpu_devices=2", profile),
         "data4": train("data4", "--strategy=data", "--cpu_devices=4", profile),
         "data4_star": train("data4_star", "--strategy=data", "--cpu_devices=4", "--all_reduce=one_device", profile),
+        "data2_float16": train("data2_float16", "--strategy=data", "--cpu_devices=2", "--dtype=float16", profile),
         "model2": train("model2", "--strategy=model", "--cpu_devices=2", profile),
         "hybrid4": train("hybrid4", "--strategy=hybrid", "--cpu_devices=4", "--mesh=batch:2,model:2", profile),
         "trick4": train("trick4", "--strategy=model", "--layout=conv_data_fc_model", "--cpu_devices=4", profile),

@@ -117,6 +117,20 @@ def test_profiler_step_marks_a_step_the_xspace_reader_finds(tmp_path):
     assert [s["step"] for s in steps] == [7], steps
 
 
+def test_branch_graphs_are_a_conds_branches_in_order():
+    @tf.function
+    def step(x):
+        return tf.cond(x > 0, lambda: tf.sqrt(x), lambda: tf.square(x))
+
+    graph = step.get_concrete_function(tf.TensorSpec([], tf.float32)).graph
+    conds = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+    assert len(conds) == 1
+    then_graph, else_graph = compat.branch_graphs(conds[0])
+    assert "Sqrt" in {op.type for op in then_graph.get_operations()}
+    assert "Square" in {op.type for op in else_graph.get_operations()}
+    assert compat.branch_graphs(graph.get_operations()[0]) == []   # the placeholder
+
+
 def test_onednn_enabled_reads_what_tensorflow_decided():
     """A bool, never None on TensorFlow 2.21 (a build that moved the flag would say None), and
     the decision a fresh process makes from TF_ENABLE_ONEDNN_OPTS (memory_measured's

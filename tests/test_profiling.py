@@ -31,8 +31,10 @@ def _report(run_dir):
         return json.load(f)
 
 
-@pytest.mark.parametrize("name, devices", [("data2", 2), ("data4", 4)])
+@pytest.mark.parametrize("name, devices", [("data2", 2), ("data4", 4), ("data2_float16", 2)])
 def test_data_parallel_report_counts_the_gradient_all_reduce(profiled_runs, name, devices):
+    """float16's loss scaling all-reduces the (float32) gradients inside a `cond` branch, the
+    one a step with finite gradients takes: counted as at float32."""
     report = _report(profiled_runs[name])
     assert [s["step"] for s in report["steps"]] == [3, 4]
     assert all(s["collective_events"] > 0 and s["communication_ms"] > 0 for s in report["steps"])

@@ -190,6 +190,23 @@ def xplane_pb2():
     return module
 
 
+def branch_graphs(op) -> list:
+    """The graphs of a traced `tf.cond` or `tf.switch_case` op's branches (If, StatelessIf,
+    Case, StatelessCase ops of a tf.function's graph), in the op's order; [] for other ops.
+
+    TensorFlow keeps each branch as a function in the outer graph's library and has no public
+    API from the op to its FuncGraph; `Graph._get_function(name).graph` is the lookup its own
+    control-flow gradients use (cond_v2).
+    """
+    attrs = {"If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch", "else_branch"),
+             "Case": ("branches",), "StatelessCase": ("branches",)}.get(op.type, ())
+    names = []
+    for attr in attrs:
+        value = op.get_attr(attr)
+        names += [f.name for f in value] if isinstance(value, list) else [value.name]
+    return [op.graph._get_function(name).graph for name in names]
+
+
 def all_layers(model) -> list:
     """Every layer of a model, nested models' layers included (not the model itself).
 

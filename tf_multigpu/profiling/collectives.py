@@ -32,6 +32,8 @@ import numpy as np
 import tensorflow as tf
 from google.protobuf import text_format
 
+from tf_multigpu.compat import branch_graphs
+
 KINDS = ("gradients", "parameters", "activations", "scalars")
 
 
@@ -86,13 +88,21 @@ def _op_kind(op_type: str) -> str | None:
 
 
 def from_function_graph(graph, device: str, one_device: bool = False) -> list[CollectiveOp]:
-    """Collectives on `device` at the top level of a traced tf.distribute step function:
-    the graph of one step (`DistributeParallelism.compile(...).one_step`), which holds exactly
-    that step's collectives; with `one_device` (the run's --all_reduce), also its reductions
-    to one device, which have no collective op. (Not inside control flow: float16's loss
-    scaling reduces the gradients in a `cond` branch, which neither reading sees.)"""
+    """Collectives on `device` in a traced tf.distribute step function: the graph of one step
+    (`DistributeParallelism.compile(...).one_step`), which holds exactly that step's
+    collectives; with `one_device` (the run's --all_reduce), also its reductions to one
+    device, which have no collective op.
+
+    Inside a `cond`, the collectives of the branch that moves the most bytes: float16's loss
+    scaling applies the update, all-reducing its gradients, in the branch a step takes when
+    they are finite, and skips it in the other (a step that updates is what the report
+    describes). Not inside a while loop, whose trip count the graph does not say; a step
+    has none around its collectives."""
     found = []
     for op in graph.get_operations():
+        branches = [from_function_graph(branch, device, one_device) for branch in branch_graphs(op)]
+        if branches:
+            found += max(branches, key=lambda ops: sum(c.moved_bytes for c in ops))
         kind_of_op = _op_kind(op.type)
         if kind_of_op is None or not op.device.endswith(device.split("device:")[-1]):
             continue
