@@ -10,7 +10,9 @@ of all its logical devices), its RSS before the model was built (the baseline: T
 Python, the data), and the run's estimate per device (`memory_per_device_bytes`), summed over
 devices plus the process's host estimate (`memory_host_bytes`: the input pipeline's batches)
 to compare with "peak minus baseline"; beside them, the peak of TensorFlow's CPU
-allocator (tensors only: the rest of RSS is the runtime, graphs and malloc). On GPUs (--gpus)
+allocator (tensors only: the rest of RSS is the runtime, graphs and malloc), and under the
+table what glibc's malloc held free when each run ended (memory its arenas keep after the
+tensors in it were freed: with TensorFlow's own CPU kernels, much of a mesh's excess RSS). On GPUs (--gpus)
 the measured figure is each device's allocator peak and the estimate is compared per device.
 
 One device's peak RSS moves from run to run with oneDNN's allocator (2.54, 2.74 and 2.63 GiB
@@ -95,6 +97,7 @@ def row(label: str, summary: dict) -> dict:
             "peak_bytes": measured["peak_rss_bytes"], "baseline_bytes": measured["baseline_rss_bytes"],
             "measured_bytes": measured["peak_minus_baseline_bytes"], "per": "process",
             "tf_allocator_peak_bytes": measured.get("tf_allocator_peak_bytes", 0),
+            "malloc_free_bytes": measured.get("malloc_free_bytes"),
             "cpu_kernels": measured.get("cpu_kernels", "")}
 
 
@@ -129,6 +132,11 @@ def markdown(rows: list[dict]) -> str:
         kernels = sorted({r["cpu_kernels"] for r in rows if r.get("cpu_kernels")})
         if kernels:
             notes.append(f"CPU kernels: {', '.join(kernels)}.")
+        if any(r.get("malloc_free_bytes") is not None for r in rows):
+            free = ", ".join(f"{r['config']} {r['malloc_free_bytes'] / gib:.2f} GiB" for r in rows
+                             if r.get("malloc_free_bytes") is not None)
+            notes.append(f"Held free by glibc's malloc when training ended (freed memory its arenas keep: "
+                         f"in the RSS, in no tensor): {free}.")
     if any(len(r.get("peaks_bytes", ())) > 1 for r in rows):
         peaks = "; ".join(f"{r['config']} " + ", ".join(f"{p / gib:.2f}" for p in
                                                          r.get("peaks_bytes", [r["peak_bytes"]])) for r in rows)

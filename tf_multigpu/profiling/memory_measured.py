@@ -17,11 +17,19 @@
   kernels ran (`cpu_kernels`: oneDNN's, or TensorFlow's own Eigen ones where TensorFlow
   leaves oneDNN off, as on CPUs without AVX-512 or with TF_ENABLE_ONEDNN_OPTS=0): the same
   AlexNet step holds measurably different memory with each (BUILD_NOTES.md, "Fifteenth
-  session"), so a table is compared only with one of the same kernels.
+  session"), so a table is compared only with one of the same kernels. And, where the C
+  library is glibc, the bytes its malloc holds free when training ends
+  (`malloc_free_bytes`): memory that tensors used and gave back, which glibc keeps in its
+  per-thread arenas for reuse instead of returning it to the system, so it stays in the RSS.
+  With TensorFlow's own kernels, whose tensors come from malloc, a mesh of logical devices
+  leaves far more of it than one device (AlexNet 224 at batch 64, model 1x4: 1.48 GiB
+  against 0.09; BUILD_NOTES.md, "Eighteenth session"): part of its peak RSS that no tensor
+  holds.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import sys
@@ -66,6 +74,27 @@ def reset_peak_rss() -> bool:
         return False
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (glibc >= 2.33): every field a size_t."""
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def malloc_free_bytes() -> int | None:
+    """Bytes glibc's malloc holds free in its arenas (mallinfo2's `fordblks`): freed memory it
+    keeps for reuse rather than returning it to the system, part of the RSS. None where the C
+    library has no mallinfo2 (macOS, musl, glibc before 2.33). An allocator put in front of
+    glibc's (LD_PRELOAD of tcmalloc or jemalloc) leaves glibc's arenas nearly empty, and this
+    near 0: its own free memory is not counted."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().fordblks)
+
+
 def _reset_cpu_allocator_stats() -> bool:
     """Resets the peak of TensorFlow's CPU allocator; False where it keeps no statistics. It
     keeps them with oneDNN on, and none without ("Cannot reset memory stats for device
@@ -100,18 +129,21 @@ class MemoryMeter:
         """GPUs: {"peak_bytes_per_device": {device: bytes}, "max_peak_bytes"}. CPUs: the
         process's {"peak_rss_bytes", "peak_since", "baseline_rss_bytes",
         "peak_minus_baseline_bytes", "cpu_kernels"} and, where the allocator keeps statistics,
-        "tf_allocator_peak_bytes". Both with "source", what was read."""
+        "tf_allocator_peak_bytes", where the C library is glibc, "malloc_free_bytes" (now,
+        at the end of training). Both with "source", what was read."""
         if self.gpus:
             peaks = {gpu: int(tf.config.experimental.get_memory_info(gpu)["peak"]) for gpu in self.gpus}
             return {"source": "tf.config.experimental.get_memory_info", "peak_bytes_per_device": peaks,
                     "max_peak_bytes": max(peaks.values())}
         peak = peak_rss_bytes()
+        free = malloc_free_bytes()
         return {"source": "process peak RSS (all logical CPU devices)", "peak_rss_bytes": peak,
                 "peak_since": "meter start" if self.peak_reset else "process start",
                 "baseline_rss_bytes": self.baseline, "peak_minus_baseline_bytes": peak - self.baseline,
                 "cpu_kernels": cpu_kernels(),
                 **({"tf_allocator_peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
-                   if self.cpu_stats else {})}
+                   if self.cpu_stats else {}),
+                **({"malloc_free_bytes": free} if free is not None else {})}
 
     @staticmethod
     def scalars(measured: dict) -> dict:
