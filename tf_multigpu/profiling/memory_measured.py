@@ -83,7 +83,9 @@ class _MallInfo2(ctypes.Structure):
 
 def malloc_free_bytes() -> int | None:
     """Bytes glibc's malloc holds free in its arenas (mallinfo2's `fordblks`): freed memory it
-    keeps for reuse rather than returning it to the system, part of the RSS. None where the C
+    keeps for reuse rather than returning it to the system, resident unless `malloc_trim`
+    released its pages (nothing in a run calls it; calling it between steps did not lower
+    the peak, which is within a step: BUILD_NOTES.md, "Eighteenth session"). None where the C
     library has no mallinfo2 (macOS, musl, glibc before 2.33). An allocator put in front of
     glibc's (LD_PRELOAD of tcmalloc or jemalloc) leaves glibc's arenas nearly empty, and this
     near 0: its own free memory is not counted."""
