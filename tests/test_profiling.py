@@ -48,6 +48,30 @@ def test_data_parallel_report_counts_the_gradient_all_reduce(profiled_runs, name
     assert not [c for c in report["collectives"] if c["op_type"] == "AddN"]   # no star read into a ring
 
 
+def test_a_conds_collectives_are_those_of_its_branch_that_moves_most(devices):
+    """One branch of a cond runs: the report counts the one that moves the most bytes (the
+    update's, under float16's loss scaling), first or second, nested, or a switch_case's."""
+    from tf_multigpu.profiling.collectives import from_function_graph
+
+    def all_reduce(n):
+        with tf.device(devices[0]):
+            return tf.reduce_sum(tf.raw_ops.CollectiveReduceV2(
+                input=tf.zeros([n]), group_size=2, group_key=1, instance_key=n, ordering_token=[],
+                merge_op="Add", final_op="Id"))
+
+    @tf.function
+    def step(pred, index):
+        a = tf.cond(pred, lambda: all_reduce(10),
+                    lambda: tf.cond(pred, lambda: all_reduce(1000), lambda: all_reduce(100)))   # nested
+        b = tf.switch_case(index, [lambda: tf.constant(0.0), lambda: all_reduce(50), lambda: all_reduce(20)])
+        return a + b + all_reduce(7)
+
+    graph = step.get_concrete_function(tf.TensorSpec([], tf.bool), tf.TensorSpec([], tf.int32)).graph
+    found = from_function_graph(graph, devices[0])
+    assert sorted(c.payload_bytes // 4 for c in found) == [7, 50, 1000], [(c.name, c.payload_bytes) for c in found]
+    assert {c.group_size for c in found} == {2}
+
+
 def test_reduction_to_one_device_is_counted_from_its_copies(profiled_runs):
     """`--all_reduce=one_device` runs no collective op: per gradient, 3 copies into the first
     of 4 devices, an AddN there, and one copy back to each other device. The report counts

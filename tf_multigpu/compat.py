@@ -192,7 +192,8 @@ def xplane_pb2():
 
 def branch_graphs(op) -> list:
     """The graphs of a traced `tf.cond` or `tf.switch_case` op's branches (If, StatelessIf,
-    Case, StatelessCase ops of a tf.function's graph), in the op's order; [] for other ops.
+    Case, StatelessCase ops of a tf.function's graph), in the op's order, those that have
+    one; [] for other ops.
 
     TensorFlow keeps each branch as a function in the outer graph's library and has no public
     API from the op to its FuncGraph; `Graph._get_function(name).graph` is the lookup its own
@@ -204,7 +205,9 @@ def branch_graphs(op) -> list:
     for attr in attrs:
         value = op.get_attr(attr)
         names += [f.name for f in value] if isinstance(value, list) else [value.name]
-    return [op.graph._get_function(name).graph for name in names]
+    functions = [op.graph._get_function(name) for name in names]
+    # A branch known only as a FunctionDef (a graph rebuilt from its proto) has no FuncGraph.
+    return [f.graph for f in functions if f is not None and getattr(f, "graph", None) is not None]
 
 
 def all_layers(model) -> list:

@@ -12,7 +12,7 @@ devices plus the process's host estimate (`memory_host_bytes`: the input pipelin
 to compare with "peak minus baseline"; beside them, the peak of TensorFlow's CPU
 allocator (tensors only: the rest of RSS is the runtime, graphs and malloc), and under the
 table what glibc's malloc held free when each run ended (memory its arenas keep after the
-tensors in it were freed: with TensorFlow's own CPU kernels, much of a mesh's excess RSS). On GPUs (--gpus)
+tensors in it were freed, mostly resident; read at the end of the run, not at the peak). On GPUs (--gpus)
 the measured figure is each device's allocator peak and the estimate is compared per device.
 
 One device's peak RSS moves from run to run with oneDNN's allocator (2.54, 2.74 and 2.63 GiB
@@ -135,8 +135,8 @@ def markdown(rows: list[dict]) -> str:
         if any(r.get("malloc_free_bytes") is not None for r in rows):
             free = ", ".join(f"{r['config']} {r['malloc_free_bytes'] / gib:.2f} GiB" for r in rows
                              if r.get("malloc_free_bytes") is not None)
-            notes.append(f"Held free by glibc's malloc when training ended (freed memory its arenas keep: "
-                         f"in the RSS, in no tensor): {free}.")
+            notes.append(f"Held free by glibc's malloc when training ended (freed memory its arenas keep, "
+                         f"mostly resident, in no tensor): {free}.")
     if any(len(r.get("peaks_bytes", ())) > 1 for r in rows):
         peaks = "; ".join(f"{r['config']} " + ", ".join(f"{p / gib:.2f}" for p in
                                                          r.get("peaks_bytes", [r["peak_bytes"]])) for r in rows)

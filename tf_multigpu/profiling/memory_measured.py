@@ -20,7 +20,7 @@
   session"), so a table is compared only with one of the same kernels. And, where the C
   library is glibc, the bytes its malloc holds free when training ends
   (`malloc_free_bytes`): memory that tensors used and gave back, which glibc keeps in its
-  per-thread arenas for reuse instead of returning it to the system, so it stays in the RSS.
+  per-thread arenas for reuse instead of returning it to the system, mostly resident.
   With TensorFlow's own kernels, whose tensors come from malloc, a mesh of logical devices
   leaves far more of it than one device (AlexNet 224 at batch 64, model 1x4: 1.48 GiB
   against 0.09; BUILD_NOTES.md, "Eighteenth session"): part of its peak RSS that no tensor
@@ -83,14 +83,15 @@ class _MallInfo2(ctypes.Structure):
 
 def malloc_free_bytes() -> int | None:
     """Bytes glibc's malloc holds free in its arenas (mallinfo2's `fordblks`): freed memory it
-    keeps for reuse rather than returning it to the system, resident unless `malloc_trim`
-    released its pages (nothing in a run calls it; calling it between steps did not lower
-    the peak, which is within a step: BUILD_NOTES.md, "Eighteenth session"). None where the C
-    library has no mallinfo2 (macOS, musl, glibc before 2.33). An allocator put in front of
-    glibc's (LD_PRELOAD of tcmalloc or jemalloc) leaves glibc's arenas nearly empty, and this
-    near 0: its own free memory is not counted."""
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    keeps for reuse rather than returning it to the system. Most of it is resident (it also
+    counts the top of each heap, which may never have been touched: `malloc_trim(0)` gave
+    back 1.05 GiB of AlexNet model 1x4's 1.48; nothing in a run calls it, and calling it
+    between steps did not lower the peak, which is within a step: BUILD_NOTES.md, "Eighteenth
+    session"). None where the C library has no mallinfo2 (macOS, musl, glibc before 2.33).
+    An allocator put in front of glibc's (LD_PRELOAD of tcmalloc or jemalloc) leaves glibc's
+    arenas nearly empty, and this near 0: its own free memory is not counted."""
+    try:   # glibc's own symbol: a preloaded allocator's would win a process-wide lookup
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
     except (OSError, AttributeError):
         return None
     mallinfo2.restype = _MallInfo2
