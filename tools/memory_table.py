@@ -12,8 +12,9 @@ devices plus the process's host estimate (`memory_host_bytes`: the input pipelin
 to compare with "peak minus baseline"; beside them, the peak of TensorFlow's CPU
 allocator (tensors only: the rest of RSS is the runtime, graphs and malloc), and under the
 table what glibc's malloc held free when each run ended (memory its arenas keep after the
-tensors in it were freed, mostly resident; read at the end of the run, not at the peak). On GPUs (--gpus)
-the measured figure is each device's allocator peak and the estimate is compared per device.
+tensors in it were freed, mostly resident; read at the end of the run, not at the peak). On
+GPUs (--gpus) the measured figure is each device's allocator peak and the estimate is
+compared per device.
 
 One device's peak RSS moves from run to run with oneDNN's allocator (2.54, 2.74 and 2.63 GiB
 in three runs of AlexNet at 64 on 2026-12-04; where it places tensors depends on the order

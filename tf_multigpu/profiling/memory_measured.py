@@ -131,9 +131,9 @@ class MemoryMeter:
     def measured(self) -> dict:
         """GPUs: {"peak_bytes_per_device": {device: bytes}, "max_peak_bytes"}. CPUs: the
         process's {"peak_rss_bytes", "peak_since", "baseline_rss_bytes",
-        "peak_minus_baseline_bytes", "cpu_kernels"} and, where the allocator keeps statistics,
-        "tf_allocator_peak_bytes", where the C library is glibc, "malloc_free_bytes" (now,
-        at the end of training). Both with "source", what was read."""
+        "peak_minus_baseline_bytes", "cpu_kernels"}, with "tf_allocator_peak_bytes" where the
+        allocator keeps statistics and "malloc_free_bytes" (now, at the end of training) where
+        the C library is glibc. Both with "source", what was read."""
         if self.gpus:
             peaks = {gpu: int(tf.config.experimental.get_memory_info(gpu)["peak"]) for gpu in self.gpus}
             return {"source": "tf.config.experimental.get_memory_info", "peak_bytes_per_device": peaks,
