@@ -21,6 +21,12 @@ def test_meter_on_cpus_reports_the_process(devices):
     assert measured["peak_minus_baseline_bytes"] == measured["peak_rss_bytes"] - measured["baseline_rss_bytes"]
     assert 0 < rss_bytes() <= peak_rss_bytes()
     assert measured["malloc_free_bytes"] >= 0   # Linux with glibc, as on CI
+    assert "ld_preload" not in measured
+
+
+def test_meter_names_a_preloaded_allocator(devices, monkeypatch):
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+    assert MemoryMeter(devices[:1]).measured()["ld_preload"].endswith("libtcmalloc_minimal.so.4")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2 (Linux; CI runs it)")
@@ -123,9 +129,12 @@ def test_table_rows_and_markdown():
     assert "| single | 3.00 GiB | 1.00 | 1.00 GiB | 2.00 GiB | 0.50 | - |" in table
     assert "| model 1x2 filter_split | 6.00 GiB | 2.00 | 2.50 GiB | 5.00 GiB | 0.50 | - |" in table
     assert "CPU kernels" not in table and "Peaks of every run" not in table   # neither said by these runs
-    assert "glibc" not in table
+    assert "glibc" not in table and "LD_PRELOAD" not in table
     summaries["model 1x2 filter_split"]["memory_measured"]["malloc_free_bytes"] = 2**29
+    for summary in summaries.values():
+        summary["memory_measured"]["ld_preload"] = "/usr/lib/libtcmalloc_minimal.so.4"
     table = markdown([row(label, s) for label, s in summaries.items()])
+    assert "Preloaded (LD_PRELOAD): /usr/lib/libtcmalloc_minimal.so.4." in table
     assert "Held free by glibc's malloc when training ended (freed memory its arenas keep, mostly resident, " \
            "in no tensor): model 1x2 filter_split 0.50 GiB." in table
 

@@ -99,6 +99,7 @@ def row(label: str, summary: dict) -> dict:
             "measured_bytes": measured["peak_minus_baseline_bytes"], "per": "process",
             "tf_allocator_peak_bytes": measured.get("tf_allocator_peak_bytes", 0),
             "malloc_free_bytes": measured.get("malloc_free_bytes"),
+            "ld_preload": measured.get("ld_preload", ""),
             "cpu_kernels": measured.get("cpu_kernels", "")}
 
 
@@ -133,6 +134,9 @@ def markdown(rows: list[dict]) -> str:
         kernels = sorted({r["cpu_kernels"] for r in rows if r.get("cpu_kernels")})
         if kernels:
             notes.append(f"CPU kernels: {', '.join(kernels)}.")
+        preloads = sorted({r["ld_preload"] for r in rows if r.get("ld_preload")})
+        if preloads:
+            notes.append(f"Preloaded (LD_PRELOAD): {', '.join(preloads)}.")
         if any(r.get("malloc_free_bytes") is not None for r in rows):
             free = ", ".join(f"{r['config']} {r['malloc_free_bytes'] / gib:.2f} GiB" for r in rows
                              if r.get("malloc_free_bytes") is not None)

@@ -132,21 +132,25 @@ class MemoryMeter:
         """GPUs: {"peak_bytes_per_device": {device: bytes}, "max_peak_bytes"}. CPUs: the
         process's {"peak_rss_bytes", "peak_since", "baseline_rss_bytes",
         "peak_minus_baseline_bytes", "cpu_kernels"}, with "tf_allocator_peak_bytes" where the
-        allocator keeps statistics and "malloc_free_bytes" (now, at the end of training) where
-        the C library is glibc. Both with "source", what was read."""
+        allocator keeps statistics, "malloc_free_bytes" (now, at the end of training) where
+        the C library is glibc, and "ld_preload" where the process runs with libraries
+        preloaded (LD_PRELOAD: an allocator such as tcmalloc). Both with "source", what was
+        read."""
         if self.gpus:
             peaks = {gpu: int(tf.config.experimental.get_memory_info(gpu)["peak"]) for gpu in self.gpus}
             return {"source": "tf.config.experimental.get_memory_info", "peak_bytes_per_device": peaks,
                     "max_peak_bytes": max(peaks.values())}
         peak = peak_rss_bytes()
         free = malloc_free_bytes()
+        preloaded = os.environ.get("LD_PRELOAD", "")   # another malloc (tcmalloc, jemalloc) changes the RSS
         return {"source": "process peak RSS (all logical CPU devices)", "peak_rss_bytes": peak,
                 "peak_since": "meter start" if self.peak_reset else "process start",
                 "baseline_rss_bytes": self.baseline, "peak_minus_baseline_bytes": peak - self.baseline,
                 "cpu_kernels": cpu_kernels(),
                 **({"tf_allocator_peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
                    if self.cpu_stats else {}),
-                **({"malloc_free_bytes": free} if free is not None else {})}
+                **({"malloc_free_bytes": free} if free is not None else {}),
+                **({"ld_preload": preloaded} if preloaded else {})}
 
     @staticmethod
     def scalars(measured: dict) -> dict:
