@@ -25,7 +25,7 @@ from tf_multigpu.errors import DoesNotFit, UsageError
 from tf_multigpu.models import build_model, get_factory
 from tf_multigpu.parallel import Parallelism, make_parallelism
 from tf_multigpu.parallel.base import host_scalars
-from tf_multigpu.parallel.memory import bytes_per_device
+from tf_multigpu.parallel.memory import bytes_per_device, largest_batch
 from tf_multigpu.parallel.stateless_dropout import random_layers, use_step
 from tf_multigpu.profiling.memory_measured import MemoryMeter
 from tf_multigpu.training.optimizer import MomentumSGD, learning_rate_schedule
@@ -139,22 +139,16 @@ def load_run_source(cfg: Config) -> ImageSource:
 
 
 def check_fits(cfg: Config, memory: dict, par) -> None:
-    """Refuses a run whose estimated bytes per device exceed --device_memory_limit.
-
-    Activations grow with the batch, the rest does not, so the message can name the largest
-    global batch the estimate allows.
-    """
+    """Refuses a run whose estimated bytes per device exceed --device_memory_limit, naming
+    the largest global batch the same estimate allows."""
     limit = cfg.device_memory_limit * 2**20
     if limit and not memory:
         raise UsageError("--device_memory_limit needs a memory estimate, which a subclassed model cannot give: "
                          "build the model with the functional API, or drop --device_memory_limit")
     if not limit or memory["total"] <= limit:
         return
-    with_batch = memory["activations"] + memory["input"] + memory["transient"]   # grow with the batch
-    per_example = with_batch / par.replica_batch
-    fits = int((limit - (memory["total"] - with_batch)) // per_example) * par.num_replicas
-    hint = (f"use --batch_size<={fits}" if fits >= par.num_replicas
-            else "even one example per device does not fit")
+    fits = largest_batch(par.plan, limit, par.num_replicas, slots_per_parameter=1 if cfg.momentum else 0)
+    hint = f"use --batch_size<={fits}" if fits else "even one example per device does not fit"
     raise DoesNotFit(f"--strategy={par.name} --batch_size={cfg.batch_size} needs about "
                      f"{memory['total'] / 2**20:.0f} MiB per device but "
                      f"--device_memory_limit={cfg.device_memory_limit}: "
