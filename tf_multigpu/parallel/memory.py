@@ -131,7 +131,7 @@ def largest_batch(plan: PlacementPlan, limit_bytes: int, step: int, slots_per_pa
     if not fits(1):
         return 0
     low, high = 1, 2
-    while fits(high):
+    while fits(high) and high < 2**40:   # the input alone grows with the batch: this ends
         low, high = high, high * 2
     while high - low > 1:
         middle = (low + high) // 2
@@ -145,9 +145,11 @@ def _peak(parts: dict, packed: bool) -> int:
     backward holds (activations, its transient), the all-reduce's buffers and the update's
     temporaries are never alive together: the persistent parts and the gradients, plus the
     largest of the three. (AlexNet 224/64, data x2 / x4 on logical CPUs: the sum was 1.42x /
-    1.50x the measured peak above the baseline, this is 0.96x / 1.03x; BUILD_NOTES.md,
+    1.50x the measured peak above the baseline, this is 0.94x / 1.06x; BUILD_NOTES.md,
     "Eighteenth session".) Elsewhere each gradient's update may start as soon as that
-    gradient exists (DTensor, one device), while the backward still holds its activations."""
+    gradient exists (DTensor, one device), while the backward still holds its activations.
+    The plan does not know the all-reduce's algorithm: --all_reduce=one_device, which reduces
+    each gradient on its own, gets this too, and is over-estimated (data x4: 1.34x)."""
     if not packed:
         return sum(parts.values())
     persistent = parts["parameters"] + parts["optimizer_slots"] + parts["input"] + parts["gradients"]
