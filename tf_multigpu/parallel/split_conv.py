@@ -143,6 +143,21 @@ def _zero_from(t):
     return tf.cast(first > float("inf"), tf.int32)
 
 
+def _output_part(patches, w2):
+    """One chunk of y = P @ W: patches [B, rows, cols, taps, cin], w2 the kernel as [taps * cin,
+    cout] -> [B, rows, cols, cout], as one 2-D MatMul.
+
+    oneDNN runs it faster than the einsum `bhwtc,tcd->bhwd` it replaces (AlexNet at batch 32,
+    fwd+bwd, one device: conv2 246 -> 235 ms, conv5 74 -> 71; conv1, conv3, conv4 unchanged;
+    BUILD_NOTES.md "Nineteenth session"). Under DTensor the reshape merges the batch, which may
+    be sharded on `batch`, with unsharded dimensions after it, so the sharding carries over to
+    the merged rows and back; cout stays sharded on `model`. Nothing is summed over a sharded
+    dimension, so no collective is added (tests/test_split_conv.py counts them)."""
+    rows, cols = patches.shape[1], patches.shape[2]
+    flat = tf.matmul(tf.reshape(patches, [-1, w2.shape[0]]), w2)
+    return tf.reshape(flat, [-1, rows, cols, w2.shape[1]])
+
+
 def _weight_grad_part(patches, dy, batch_groups: int):
     """One chunk's share of dW = P^T dy: patches [B, rows, cols, taps, cin], dy [B, rows,
     cols, cout] -> [taps * cin, cout], or [groups, taps, cin, cout] summed within each of
@@ -209,9 +224,8 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int, batch_groups: 
 
     @tf.custom_gradient
     def conv(x, w):
-        w3 = tf.reshape(w, [kh * kw, c, o])
-        ys = _map_chunks(lambda r0, r1, p: tf.einsum("bhwtc,tcd->bhwd", p, w3),
-                         flat_padded(x), wp, kh, kw, ow, y_chunks)
+        w2 = tf.reshape(w, [kh * kw * c, o])
+        ys = _map_chunks(lambda r0, r1, p: _output_part(p, w2), flat_padded(x), wp, kh, kw, ow, y_chunks)
         y = tf.concat(ys, axis=1) if len(ys) > 1 else ys[0]
 
         def grad(dy):
