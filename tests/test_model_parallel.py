@@ -7,6 +7,7 @@ meshes run as commands."""
 import json
 import os
 import shutil
+import textwrap
 
 import numpy as np
 import pytest
@@ -246,3 +247,31 @@ def test_mobilenet_v2_export_from_hybrid_equals_the_one_device_export(tmp_path):
             for path in (os.path.join(run_dir, "export"), str(tmp_path / "one_device")))
     difference, scale = float(np.abs(a - b).max()), float(np.abs(a).max())
     assert scale > 0 and difference <= 1e-6, (difference, scale)
+
+
+_EARLIER_MESH_WORKER = textwrap.dedent("""
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
+    # a 1x2 mesh used first: DTensor's default mesh for ops that name none, for good
+    mesh = dtensor.create_mesh([("batch", 1), ("model", 2)], devices=["CPU:0", "CPU:1"])
+    dtensor.copy_to_mesh(tf.ones(()), dtensor.Layout.replicated(mesh, 0))
+    from tf_multigpu.config import Config
+    from tf_multigpu.training.run import build_run
+    run = build_run(Config(strategy="model", model="alexnet", dataset="synthetic", batch_size=32,
+                           steps=10, mesh="batch:1,model:4", layout="filter_split"),
+                    [f"/device:CPU:{i}" for i in range(4)])
+    slots = [v for v in run.optimizer.variables if len(v.shape) == 4]
+    print(len(slots), {run.par.local_shape(v)[-1] * 4 == v.shape[-1] for v in slots})
+""")
+
+
+@pytest.mark.slow
+def test_a_mesh_built_after_another_one_gets_its_slots():
+    """Keras makes the momentum slots' zeros on the DTensor device, which puts an op naming no
+    mesh on the first mesh the process used; copying them from a 1x2 mesh to a 1x4 one hung
+    (in assign_variable_op). The creator makes them on the run's own mesh."""
+    done = run_code(_EARLIER_MESH_WORKER, timeout=120, fresh=True)   # passes in ~8 s
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "5 {True}", done.stdout[-500:]

@@ -148,7 +148,13 @@ class DTensorParallelism:
         scope = keras_name_scope_path()
         path = f"{scope}/{name}" if scope else name
         initial = kwargs["initial_value"]
-        initial = tf.convert_to_tensor(initial() if callable(initial) else initial, dtype=kwargs.get("dtype"))
+        # Keras makes an optimizer slot's initial value under colocate_with(its variable), i.e.
+        # on the DTensor device, where an op with no DTensor input runs on the device's default
+        # mesh: the FIRST mesh the process used (DTensorDevice::AddMesh), not this one. Copying
+        # it from an earlier, smaller mesh to this one never finished (a 1x2 mesh's test before
+        # a 1x4 build hung in assign_variable_op): make it on this mesh.
+        with dtensor.default_mesh(self.mesh):
+            initial = tf.convert_to_tensor(initial() if callable(initial) else initial, dtype=kwargs.get("dtype"))
         layout = self._layout_for(path, name, initial.shape.as_list())
         if self.plan and path in self.plan.specs:
             self._by_path[path] = layout
