@@ -252,3 +252,26 @@ def test_layers_dtensor_refuses_run_their_twin_on_any_layout(mobilenet_v2):
     depthwise = [p for p in plan.layers if p.node.cls is L.DepthwiseConv2D]
     assert {p.impl for p in depthwise} == {"SplitDepthwiseConv2D"}
     assert all(p.in_layouts == (WHOLE,) and not plan.split_on_model(p.node.weight("kernel")) for p in depthwise)
+
+
+def test_bare_ops_between_layers_are_placed_replicated_and_refused_on_split_channels():
+    """Keras ops written between layers (`x + 3.0` in MobileNetV3's hard-sigmoid, ConvNeXt's
+    residual `inputs + x`) are graph nodes that are not layers: every plan used to fail on them
+    with `KeyError: 'add'`, single-device training included."""
+    inputs = keras.Input((16, 16, 3))
+    x = L.Conv2D(8, 3, name="c1")(inputs)
+    x = keras.ops.relu(x + 3.0) * (1 / 6)   # a hard-sigmoid of bare ops
+    x = L.Conv2D(8, 3, name="c2")(x)
+    model = keras.Model(inputs, L.Dense(10, name="logits")(L.GlobalAveragePooling2D()(x)), name="m")
+    plan = make_plan(model, "", [], {"batch": 2, "model": 1})
+    c2 = plan["c2"].node
+    bare = [layer.node for layer in plan.layers if not issubclass(layer.node.cls, keras.layers.Layer)]
+    assert len(bare) == 3 and c2.inputs == (bare[-1].name,) and bare[0].inputs == ("c1",)
+    assert all(n.out_shape == (14, 14, 8) and not n.weights for n in bare)
+    assert bytes_per_device(plan, 8)["total"] > 0
+    refused = r"^layer add(_\d+)? \(Add\) receives activations split on 'model' and is a bare op"
+    with pytest.raises(UsageError, match=refused):
+        make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
+    # fc_only splits the classifier only: the bare ops see whole activations and run as they are
+    assert all(layer.impl == "" for layer in make_plan(model, "fc_only", [], {"batch": 1, "model": 2}).layers
+               if layer.node in bare)

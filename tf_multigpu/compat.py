@@ -32,6 +32,16 @@ def inbound_layer_names(layer) -> list[list[str]]:
     return out
 
 
+def op_call_shapes(op) -> tuple:
+    """(input shapes, output shape), per example, of the one call of a bare op in a functional
+    graph (`x + 3.0` is a `keras.ops` Operation, not a Layer: it has no `input`/`output`).
+
+    Same reason as `inbound_layer_names`: only its private inbound node holds the tensors.
+    """
+    node = op._inbound_nodes[0]
+    return tuple(tuple(t.shape[1:]) for t in node.input_tensors), tuple(node.output_tensors[0].shape[1:])
+
+
 def producer_name(tensor) -> str:
     """The name of the layer (or InputLayer) that produced a symbolic Keras tensor.
 

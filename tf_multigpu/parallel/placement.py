@@ -59,7 +59,7 @@ import re
 import keras
 import numpy as np
 
-from tf_multigpu.compat import inbound_layer_names, producer_name
+from tf_multigpu.compat import inbound_layer_names, op_call_shapes, producer_name
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import UNSPLIT, assign_specs
 from tf_multigpu.parallel.split_layers_modern import MERGES, SPLIT_AWARE, STOCK_VARIABLE_SPECS, SplitGroupedConv2D
@@ -218,7 +218,9 @@ def model_graph(model: keras.Model) -> tuple:
                 nodes.append(Node(name, L.InputLayer, (), (), tuple(tensor.shape[1:]), {}, ()))
             else:
                 alias[name] = outer_inputs[k]
-        for layer in m.layers:
+        # a functional model's layers and the bare ops between them (`x + 3.0`, `keras.ops.*`), in
+        # `layers`' order; a Sequential has layers only (and no `operations`)
+        for layer in getattr(m, "operations", m.layers):
             if isinstance(layer, L.InputLayer):
                 continue
             calls = inbound_layer_names(layer)
@@ -232,6 +234,10 @@ def model_graph(model: keras.Model) -> tuple:
                                      "parallelism flattens nested models with one output")
                 walk(layer, producers)
                 alias[layer.name] = alias.get(producer_name(layer.outputs[0]), producer_name(layer.outputs[0]))
+                continue
+            if not isinstance(layer, keras.layers.Layer):   # a bare op: no weights, one call
+                in_shapes, out_shape = op_call_shapes(layer)
+                nodes.append(Node(layer.name, type(layer), producers, in_shapes, out_shape, {}, ()))
                 continue
             ins = layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]
             nodes.append(Node(layer.name, type(layer), producers,
@@ -397,6 +403,9 @@ class _Walker:
                 return self._unplaceable(node, "has a split variable but no split-aware version")
             return "", x, False, False, ""
         # -- the input is split on channels ----------------------------------------------
+        if not issubclass(node.cls, keras.layers.Layer):   # a bare op: nothing to swap a split-aware layer in for
+            return self._unplaceable(node, "is a bare op between layers (e.g. `x + 3.0`), which model "
+                                     "parallelism cannot place on split channels; make it a layer")
         if _is(node, L.BatchNormalization):
             if node.config.get("axis") not in (-1, len(node.out_shape), [-1], [len(node.out_shape)]):
                 return self._unplaceable(node, f"normalises axis {node.config.get('axis')}, not the split channels")
