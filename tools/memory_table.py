@@ -40,7 +40,9 @@ from tf_multigpu.config.workload_flags import define_workload_flags
 PROG = "memory_table"
 
 # (label, strategy, devices, mesh, layout, extra flags): the configurations of the issue's
-# table, and the hybrid with its optimizer state sharded over the batch groups.
+# table, the hybrid with its optimizer state sharded over the batch groups, and data
+# parallelism reducing each gradient through one device (a star) instead of one packed
+# all-reduce.
 CONFIGS = (
     ("single", "single", 1, "", "", ()),
     ("data x2", "data", 2, "", "", ()),
@@ -51,6 +53,8 @@ CONFIGS = (
     ("hybrid 2x2 filter_split", "hybrid", 4, "batch:2,model:2", "filter_split", ()),
     ("hybrid 2x2 filter_split sharded optimizer", "hybrid", 4, "batch:2,model:2", "filter_split",
      ("--shard_optimizer_state",)),
+    ("data x2 one_device", "data", 2, "", "", ("--all_reduce=one_device",)),
+    ("data x4 one_device", "data", 4, "", "", ("--all_reduce=one_device",)),
 )
 KEYS = {label.replace(" ", "_"): label for label, *_ in CONFIGS}
 
