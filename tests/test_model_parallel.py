@@ -51,6 +51,18 @@ def test_each_split_kernel_holds_one_mth_per_device(devices):
 
 
 @pytest.mark.in_process_mesh
+def test_layers_built_under_a_name_scope_are_split_as_planned(devices):
+    """keras.name_scope (NASNet's cells) gives `block/conv2/kernel` in the model and
+    `conv2/kernel` in its clone: such kernels stayed whole on every device while the plan
+    (memory, communication) counted them split, or the step failed in SPMD expansion."""
+    par, model, _ = _build(devices, "tests.user_models:scoped_convnet", "digits")
+    assert par.plan.specs["block/conv2/kernel"] == ["-", "-", "-", "model"]
+    assert par.plan.specs["block/dw/kernel"] == ["-", "-", "model", "-"]
+    local = {v.path: par.local_shape(v) for v in model.trainable_weights}
+    assert local["conv2/kernel"] == [3, 3, 8, 2] and local["dw/kernel"] == [3, 3, 2, 1], local
+
+
+@pytest.mark.in_process_mesh
 def test_filter_split_alexnet_on_4_devices_needs_at_most_27_percent(devices):
     par, model, optimizer = _build(devices, "alexnet", "synthetic")
     split = bytes_per_device(par.plan, 32)

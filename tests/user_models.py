@@ -126,3 +126,16 @@ def host_op_convnet(input_shape, num_classes):
     L = keras.layers
     return keras.Sequential([keras.Input(input_shape), L.Conv2D(8, 3, name="conv1"), _HostIdentity(name="host"),
                              L.GlobalAveragePooling2D(), L.Dense(num_classes, name="logits")], name="host_op_convnet")
+
+
+def scoped_convnet(input_shape, num_classes, **_):
+    """Layers built under keras.name_scope, as NASNet builds its cells: their variables'
+    paths (`block/conv2/kernel`) are not what keras.models.clone_model gives the clone's."""
+    L = keras.layers
+    x = inputs = keras.Input(input_shape)
+    x = L.Conv2D(8, 3, padding="same", name="conv1")(x)
+    with keras.name_scope("block"):
+        x = L.DepthwiseConv2D(3, padding="same", name="dw")(x)
+        x = L.Conv2D(8, 3, padding="same", name="conv2")(x)
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="scoped_convnet")

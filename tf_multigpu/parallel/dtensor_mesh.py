@@ -143,10 +143,21 @@ class DTensorParallelism:
         spec = self.plan.specs.get(path) if self.plan else None
         return self.layout(spec) if spec else dtensor.Layout.replicated(self.mesh, len(shape))
 
+    def _plan_path(self, path: str) -> str:
+        """The plan's path of the variable a clone creates at `path`. They differ where the
+        user built the layer under `keras.name_scope` (NASNet: `block/conv1/kernel` in the
+        model, `conv1/kernel` in its clone, which does not repeat the scope); layer names are
+        unique in a model, so the one plan path ending in the clone's is the variable."""
+        if not self.plan or path in self.plan.specs:
+            return path
+        scoped = [p for p in self.plan.specs if p.endswith("/" + path)]
+        return scoped[0] if len(scoped) == 1 else path
+
     def _creator(self, next_creator, **kwargs):
         name = kwargs.get("name") or "variable"
         scope = keras_name_scope_path()
         path = f"{scope}/{name}" if scope else name
+        planned = self._plan_path(path)
         initial = kwargs["initial_value"]
         # Keras makes an optimizer slot's initial value under colocate_with(its variable), i.e.
         # on the DTensor device, where an op with no DTensor input runs on the device's default
@@ -155,8 +166,8 @@ class DTensorParallelism:
         # a 1x4 build hung in assign_variable_op): make it on this mesh.
         with dtensor.default_mesh(self.mesh):
             initial = tf.convert_to_tensor(initial() if callable(initial) else initial, dtype=kwargs.get("dtype"))
-        layout = self._layout_for(path, name, initial.shape.as_list())
-        if self.plan and path in self.plan.specs:
+        layout = self._layout_for(planned, name, initial.shape.as_list())
+        if self.plan and planned in self.plan.specs:
             self._by_path[path] = layout
         variable = dtensor.DVariable(self.put(initial, layout), trainable=kwargs.get("trainable", True), name=name)
         self._layouts[id(variable)] = layout
@@ -226,7 +237,7 @@ class DTensorParallelism:
         # stock Dropout's seed state has no counterpart in the clone (StatelessDropout has none).
         pairs = list(zip(model.weights, plain.weights)) + list(zip(_rng_states(model), _rng_states(plain)))
         for var, value in pairs:
-            if var.path in self.plan.specs and var.path != value.path:
+            if value.path in self.plan.specs and self._plan_path(var.path) != value.path:
                 raise AssertionError(f"cloned model's variables are out of order: {var.path} vs {value.path}")
             var.assign(self.put(value, self._layout_for(var.path, var.name, list(var.shape))))
         return model
