@@ -12,7 +12,7 @@ import pytest
 from tests import user_models
 from tests.conftest import REPO
 from tf_multigpu.errors import UsageError
-from tf_multigpu.parallel.memory import bytes_per_device
+from tf_multigpu.parallel.memory import bytes_per_device, saved_elems
 from tf_multigpu.parallel.placement import CHANNELS, WHOLE, make_plan
 
 L = keras.layers
@@ -268,10 +268,16 @@ def test_bare_ops_between_layers_are_placed_replicated_and_refused_on_split_chan
     bare = [layer.node for layer in plan.layers if not issubclass(layer.node.cls, keras.layers.Layer)]
     assert len(bare) == 3 and c2.inputs == (bare[-1].name,) and bare[0].inputs == ("c1",)
     assert all(n.out_shape == (14, 14, 8) and not n.weights for n in bare)
-    assert bytes_per_device(plan, 8)["total"] > 0
+    assert all(saved_elems(plan, plan[n.name]) == 14 * 14 * 8 for n in bare)   # counted as layers' outputs
     refused = r"^layer add(_\d+)? \(Add\) receives activations split on 'model' and is a bare op"
     with pytest.raises(UsageError, match=refused):
         make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
     # fc_only splits the classifier only: the bare ops see whole activations and run as they are
     assert all(layer.impl == "" for layer in make_plan(model, "fc_only", [], {"batch": 1, "model": 2}).layers
                if layer.node in bare)
+    # a whole operand first and a split one second (ConvNeXt's `inputs + x`) is refused too
+    inputs = keras.Input((16, 16, 8))
+    x = inputs + L.Conv2D(8, 3, padding="same", name="c1")(inputs)
+    residual = keras.Model(inputs, L.Dense(10, name="logits")(L.GlobalAveragePooling2D()(x)), name="r")
+    with pytest.raises(UsageError, match=refused):
+        make_plan(residual, "filter_split", [], {"batch": 1, "model": 2})

@@ -398,14 +398,14 @@ class _Walker:
                 return impl.__name__, x, False, False, ""
             self.follow(node, impl.VARIABLE_SPECS)
             return impl.__name__, (CHANNELS if impl.SPLITS_OUTPUT else WHOLE), False, False, ""
+        if CHANNELS in ins and not issubclass(node.cls, keras.layers.Layer):   # any operand, not only the first
+            return self._unplaceable(node, "is a bare op between layers (e.g. `x + 3.0`), which model parallelism "
+                                     "cannot place on split channels (wrapped in a layer, it would run gathered)")
         if x != CHANNELS:   # on whole or row-split activations every stock layer runs as it is
             if any(self.split(p) for p in node.weights):
                 return self._unplaceable(node, "has a split variable but no split-aware version")
             return "", x, False, False, ""
         # -- the input is split on channels ----------------------------------------------
-        if not issubclass(node.cls, keras.layers.Layer):   # a bare op: nothing to swap a split-aware layer in for
-            return self._unplaceable(node, "is a bare op between layers (e.g. `x + 3.0`), which model "
-                                     "parallelism cannot place on split channels; make it a layer")
         if _is(node, L.BatchNormalization):
             if node.config.get("axis") not in (-1, len(node.out_shape), [-1], [len(node.out_shape)]):
                 return self._unplaceable(node, f"normalises axis {node.config.get('axis')}, not the split channels")
