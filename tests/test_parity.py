@@ -154,19 +154,23 @@ def test_sharded_optimizer_state_matches_one_device_and_holds_half_the_momentum(
 # device's step on the same batch with its rows permuted (BatchNormalization's batch sums in
 # another order) already differs from itself by 0.08 for ResNet-50 (BN's backward subtracts
 # nearly equal batch sums; at 32x32 its last stage normalises 8 values per channel), so a float32
-# comparison could not tell a correct step from a slightly wrong one. In float64 the same
-# reordering costs ~1e-13 and every strategy must match one device within 1e-5, moving
-# statistics included (BUILD_NOTES.md has the float32 numbers).
+# comparison could not tell a correct step from a slightly wrong one. In float64 (the loss too:
+# float64 logits are not rounded to float32) the same reordering costs ~1e-13, and every strategy
+# matches one device within 3.5e-13 (measured), so the check is 1e-10: a real difference shows
+# (BUILD_NOTES.md has the float32 numbers).
 # (ResNet-50 and MobileNetV2 on every mesh and layout were measured once, BUILD_NOTES.md; the
 # suite keeps one model-parallel and one hybrid mesh of them, and 1x4 on the small BN model.
 # Both run cut after their first blocks, keras' own layers: every layer is placed as its
 # namesake in the whole model and every decision of the whole model's plan occurs in the cut
 # one (test_placement.py). The worker's CPU time: ResNet-50 144 s, cut 38 s; MobileNetV2 at
-# width 0.35 142 s, cut 32 s.)
+# width 0.35 142 s, cut 32 s. `applications_idioms` holds, in a few small layers, what
+# Xception, EfficientNetV2 and InceptionResNetV2 do that failed before.)
+FLOAT64_TOLERANCE = 1e-10
 USER_MODELS = [
     ("tests.user_models:resnet50_first_blocks", "model", "batch:1,model:2", "filter_split,fc_only"),
     ("tests.user_models:mobilenet_v2_first_blocks", "hybrid", "batch:2,model:2", "filter_split,fc_only"),
     ("tests.user_models:renamed_convnet", "model", "batch:1,model:4", "filter_split,fc_only"),
+    ("tests.user_models:applications_idioms", "hybrid", "batch:2,model:2", "filter_split,fc_only"),
 ]
 
 
@@ -177,5 +181,5 @@ def test_keras_applications_step_equals_one_device(model, strategy, mesh, layout
     assert results.pop("noise_floor") < 1e-9   # float64: the reference is reproducible
     for layout, result in results.items():
         assert result["same_initial_weights"], layout
-        assert result["statistics_difference"] <= TOLERANCE, (layout, result)
-        assert result["max_update_difference"] <= TOLERANCE, (layout, result)
+        assert result["statistics_difference"] <= FLOAT64_TOLERANCE, (layout, result)
+        assert result["max_update_difference"] <= FLOAT64_TOLERANCE, (layout, result)

@@ -224,6 +224,26 @@ def test_a_weightless_layer_that_needs_whole_channels_gathers_first():
     assert plan["reshape"].collectives[0].elems_per_example == 6 * 6 * 8
 
 
+def test_a_users_layer_of_two_inputs_gathers_whichever_is_split(applications_idioms_plan):
+    """InceptionResNetV2's CustomScaleLayer: before, the plan read the first input's layout
+    only, ran the layer on a split second input as if whole, and gathered the list as one
+    tensor. Now any split input makes it gather, and only the split inputs are counted."""
+    plan = applications_idioms_plan
+    for name, split_input in (("scale_whole_first", "residual"), ("scale_split_first", "mix")):
+        placed = plan[name]
+        assert placed.impl == "GatherScaledSum" and placed.out_layout == WHOLE and placed.gathers, name
+        assert [plan[p].out_layout for p in placed.node.inputs].count(CHANNELS) == 1, name
+        gathered = sum(c.elems_per_example for c in placed.collectives if c.op == "all_gather")
+        assert gathered == plan[split_input].node.out_elems, name
+    # a whole operand added to a split one is sliced, and the merge knows which operand was whole
+    assert plan["add"].impl == "SplitAdd" and plan["add"].in_layouts == (WHOLE, CHANNELS)
+
+
+@pytest.fixture(scope="module")
+def applications_idioms_plan():
+    return make_plan(user_models.applications_idioms((16, 16, 3), 10), "filter_split", [], {"batch": 1, "model": 2})
+
+
 def test_no_module_but_the_plan_walks_layers_to_place_them():
     """The converter, planner, reports and memory read the plan; none iterates model.layers."""
     walkers = []

@@ -139,3 +139,42 @@ def scoped_convnet(input_shape, num_classes, **_):
         x = L.Conv2D(8, 3, padding="same", name="conv2")(x)
     x = L.GlobalAveragePooling2D(name="gap")(x)
     return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="scoped_convnet")
+
+
+class ScaledSum(keras.layers.Layer):
+    """inputs[0] + inputs[1] * scale: a user's layer of two inputs (InceptionResNetV2's
+    CustomScaleLayer)."""
+
+    def __init__(self, scale, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = scale
+
+    def get_config(self):
+        return {**super().get_config(), "scale": self.scale}
+
+    def call(self, inputs):
+        return inputs[0] + inputs[1] * self.scale
+
+
+def applications_idioms(input_shape, num_classes, **_):
+    """What keras.applications models beyond ResNet and MobileNet do, each of which failed model
+    parallelism in a DTensor error before: a Normalization built with constant mean and variance
+    (EfficientNetV2, ConvNeXt: plain tensors, not variables), a stock MaxPooling2D on a whole
+    tensor added to a channel-split shortcut (Xception: DTensor carried the split up into the
+    pooling and the BatchNorm before it), and a user's layer of two inputs with the split one
+    second or first (InceptionResNetV2's CustomScaleLayer: placed from its first input only)."""
+    L = keras.layers
+    x = inputs = keras.Input(input_shape)
+    x = L.Normalization(mean=[0.5] * input_shape[-1], variance=[0.25] * input_shape[-1], name="normalize")(x)
+    x = L.Conv2D(8, 3, padding="same", activation="relu", name="stem")(x)   # split on channels
+    shortcut = L.BatchNormalization(name="shortcut_bn")(L.Conv2D(16, 1, strides=2, use_bias=False,
+                                                                 name="shortcut")(x))
+    y = L.SeparableConv2D(16, 3, padding="same", use_bias=False, name="separable")(x)   # output whole
+    y = L.BatchNormalization(name="separable_bn")(y)
+    y = L.MaxPooling2D(3, strides=2, padding="same", name="pool")(y)
+    x = L.Add(name="add")([y, shortcut])   # whole + split
+    a = L.Concatenate(name="concat")([L.Conv2D(8, 1, name="branch_a")(x), L.Conv2D(8, 1, name="branch_b")(x)])
+    x = ScaledSum(0.2, name="scale_whole_first")([a, L.Conv2D(16, 3, padding="same", name="residual")(a)])
+    x = ScaledSum(0.2, name="scale_split_first")([L.Conv2D(16, 1, name="mix")(x), x])
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="applications_idioms")

@@ -39,7 +39,7 @@ from tf_multigpu.compat import all_layers, keras_name_scope_path
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel import split_layers, split_layers_modern
 from tf_multigpu.parallel.layouts import UNSPLIT
-from tf_multigpu.parallel.placement import PlacementPlan, make_plan
+from tf_multigpu.parallel.placement import CHANNELS, PlacementPlan, make_plan
 from tf_multigpu.parallel.stateless_dropout import replaced as dropout_replaced
 from tf_multigpu.parallel.stateless_dropout import stateless_dropout
 
@@ -240,7 +240,19 @@ class DTensorParallelism:
             if value.path in self.plan.specs and self._plan_path(var.path) != value.path:
                 raise AssertionError(f"cloned model's variables are out of order: {var.path} vs {value.path}")
             var.assign(self.put(value, self._layout_for(var.path, var.name, list(var.shape))))
+        self._constants_on_mesh(model)
         return model
+
+    def _constants_on_mesh(self, model: keras.Model):
+        """Replaces the plain tensors a layer keeps as attributes (a Normalization built with a
+        given mean and variance: EfficientNetV2's and ConvNeXt's preprocessing) by replicated
+        copies on the mesh. A DTensor step refuses a plain tensor it captures ("got a regular
+        tensor for input 2 (shape [1,1,1,3]) but was expecting a DTensor"); variables are
+        already on the mesh (the creator)."""
+        for layer in all_layers(model):
+            for name, value in list(vars(layer).items()):
+                if isinstance(value, tf.Tensor) and not dtensor.is_dtensor(value):
+                    setattr(layer, name, self.put(value, dtensor.Layout.replicated(self.mesh, value.shape.rank)))
 
     def _converter(self):
         """clone_function: each layer as the plan says, its stock class or a split-aware twin."""
@@ -250,14 +262,26 @@ class DTensorParallelism:
             if isinstance(layer, keras.Model):   # nested models are cloned layer by layer (recursive)
                 return layer
             placed = plan[layer.name]
-            if not placed.impl:
+            gathers_logits = (placed is plan.layers[-1] and plan.output_layout == CHANNELS
+                              and layer.compute_dtype == "float64")
+            if not placed.impl and not gathers_logits:
                 return stateless_dropout(layer)   # Dropout -> StatelessDropout, else a fresh copy
-            new = _implementation(placed.impl, type(layer)).from_config(layer.get_config())
+            if placed.impl:
+                new = _implementation(placed.impl, type(layer)).from_config(layer.get_config())
+            else:
+                new = stateless_dropout(layer)
+            if gathers_logits:
+                # DTensor's softmax cross-entropy over float64 logits split on classes is wrong
+                # (TF 2.21: the loss off by 7.3 and its gradient by 1.0 on 4 x 6 logits, where
+                # float32's is right): float64 logits (the parity checks' exact mode) reach the
+                # loss whole. The argmax of the accuracy gathers them anyway: no extra traffic.
+                new = type(type(new).__name__, (split_layers.GatherOutput, type(new)), {}).from_config(new.get_config())
             new.mesh = self.mesh
             if placed.kernel_split:
                 new.need_input_grad = placed.needs_input_grad   # nothing upstream to send a gradient to
             if placed.merge_layout:
                 new.split_output = placed.out_layout != "whole"
+                new.split_inputs = tuple(layout == CHANNELS for layout in placed.in_layouts)
             return new
 
         return convert

@@ -401,11 +401,12 @@ class _Walker:
         if CHANNELS in ins and not issubclass(node.cls, keras.layers.Layer):   # any operand, not only the first
             return self._unplaceable(node, "is a bare op between layers (e.g. `x + 3.0`), which model parallelism "
                                      "cannot place on split channels (wrapped in a layer, it would run gathered)")
-        if x != CHANNELS:   # on whole or row-split activations every stock layer runs as it is
+        if CHANNELS not in ins:   # on whole or row-split activations every stock layer runs as it is
             if any(self.split(p) for p in node.weights):
                 return self._unplaceable(node, "has a split variable but no split-aware version")
             return "", x, False, False, ""
-        # -- the input is split on channels ----------------------------------------------
+        # -- an input is split on channels (the only input, but for a user's layer of several:
+        # those are gathered below, whichever of their inputs is split) -------------------
         if _is(node, L.BatchNormalization):
             if node.config.get("axis") not in (-1, len(node.out_shape), [-1], [len(node.out_shape)]):
                 return self._unplaceable(node, f"normalises axis {node.config.get('axis')}, not the split channels")

@@ -50,10 +50,19 @@ class GatherFirst(_Gathers):
     """Mixin for any layer that needs its whole input: gathers it, then runs the layer. A
     Conv2D or Dense after a split layer (a Dense split on units too: every unit needs every
     input), a Flatten of a channel-sharded map (NHWC flattening mixes channels into every
-    position of the flat vector, so it cannot stay split on channels)."""
+    position of the flat vector, so it cannot stay split on channels). A layer of several
+    inputs (a user's layer called on a list) gets each of them whole."""
 
     def call(self, inputs, *args, **kwargs):
-        return super().call(self._gather(inputs), *args, **kwargs)
+        return super().call(tf.nest.map_structure(self._gather, inputs), *args, **kwargs)
+
+
+class GatherOutput(_Gathers):
+    """Mixin for the model's last layer where its output (the logits) must reach the loss
+    whole: gathers it after the layer runs."""
+
+    def call(self, inputs, *args, **kwargs):   # `inputs` by name: Keras builds the layer from it
+        return self._gather(super().call(inputs, *args, **kwargs))
 
 
 class SplitConv2D(_Gathers, keras.layers.Conv2D):

@@ -45,13 +45,26 @@ _BN_SPECS = {"gamma": "model", "beta": "model", "moving_mean": "model", "moving_
 STOCK_VARIABLE_SPECS = {keras.layers.BatchNormalization: _BN_SPECS}
 
 
-def relayout_activations(x, mesh, split: bool, name: str):
+def _activation_layout(x, mesh, split: bool) -> dtensor.Layout:
+    """Batch-sharded, the last (channel/unit) dim split on `model` or whole."""
+    return dtensor.Layout(["batch"] + [U] * (len(x.shape) - 2) + ["model" if split else U], mesh)
+
+
+def relayout_activations(x, mesh, split: bool, name: str, split_before: bool | None = None):
     """x relaid out to batch-sharded with its last (channel/unit) dim split on `model` or
     whole, under the name scope the communication report counts. Split -> whole is an
     all-gather of x's size in the forward (its gradient is a local slice); whole -> split is
     a local slice in the forward and an all-gather of x's size in the backward (the gradient
-    of a whole tensor must be whole); same layout is a no-op."""
-    layout = dtensor.Layout(["batch"] + [U] * (len(x.shape) - 2) + ["model" if split else U], mesh)
+    of a whole tensor must be whole); same layout is a no-op.
+
+    `split_before` (x's layout in the placement plan, where the caller knows it) pins x to
+    that layout first: DTensor's layout propagation otherwise carries the new layout upstream
+    into x's producers, where a whole tensor's MaxPool or BatchNorm refuses a channel split
+    (Xception: "EmitAllScatter was passed a desired_layout ... which was not more sharded than
+    the original_layout", from the BatchNorm's tf.Mean two layers before the Add)."""
+    layout = _activation_layout(x, mesh, split)
+    if split_before is not None and split_before != split:
+        x = dtensor.relayout(x, _activation_layout(x, mesh, split_before))
 
     @tf.custom_gradient
     def relayout(x):
@@ -281,6 +294,12 @@ class SliceAvgPool2D(_Nhwc, keras.layers.AveragePooling2D):
 
 
 # -- merges --------------------------------------------------------------------------------
+def _relayout_operands(layer, inputs, split: bool) -> list:
+    """A merge's operands, each relaid out to one layout from the one the plan gave it."""
+    before = layer.split_inputs or [None] * len(inputs)
+    return [relayout_activations(x, layer.mesh, split, layer.name, b) for x, b in zip(inputs, before)]
+
+
 class _OneLayout(_OnMesh):
     """Merge mixin: every operand is relaid out to the output's layout first (named), so
     DTensor never picks a silent relayout of its own. `split_output` (set by the plan):
@@ -289,9 +308,10 @@ class _OneLayout(_OnMesh):
 
     VARIABLE_SPECS: ClassVar[dict] = {}
     split_output = True
+    split_inputs = None   # the operands' layouts in the plan (True: split), set with split_output
 
     def call(self, inputs):
-        return super().call([relayout_activations(x, self.mesh, self.split_output, self.name) for x in inputs])
+        return super().call(_relayout_operands(self, inputs, self.split_output))
 
 
 class SplitAdd(_OneLayout, keras.layers.Add):
@@ -326,11 +346,11 @@ class GatherConcatenate(_OnMesh, keras.layers.Concatenate):
 
     VARIABLE_SPECS: ClassVar[dict] = {}
     split_output = True
+    split_inputs = None
 
     def call(self, inputs):
         on_channels = self.axis % len(inputs[0].shape) == len(inputs[0].shape) - 1
-        split = self.split_output and not on_channels
-        return super().call([relayout_activations(x, self.mesh, split, self.name) for x in inputs])
+        return super().call(_relayout_operands(self, inputs, self.split_output and not on_channels))
 
 
 MERGES = {keras.layers.Add: SplitAdd, keras.layers.Subtract: SplitSubtract, keras.layers.Multiply: SplitMultiply,

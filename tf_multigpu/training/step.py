@@ -20,8 +20,7 @@ def make_train_step(model, optimizer, global_batch: int, jit_compile: bool = Fal
 
     def gradients(images, labels):
         with tf.GradientTape() as tape:
-            # Mixed precision computes logits in bfloat16/float16; the loss is float32.
-            logits = tf.cast(model(images, training=True), tf.float32)
+            logits = _loss_precision(model(images, training=True))
             per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
             # Average over the GLOBAL batch, not this replica's share: the all-reduce sums the
             # replicas' gradients, so each must be its part of the global mean. The update then
@@ -48,7 +47,7 @@ def make_eval_step(model):
     """(images, labels, weights) -> {loss_sum, correct, count} over rows with weight 1."""
 
     def eval_step(images, labels, weights):
-        logits = tf.cast(model(images, training=False), tf.float32)
+        logits = _loss_precision(model(images, training=False))
         per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
         return _sums(per_example, logits, labels, weights)
 
@@ -56,11 +55,18 @@ def make_eval_step(model):
     return eval_step
 
 
+def _loss_precision(logits):
+    """Logits in the precision the loss is computed in: mixed precision's bfloat16/float16
+    logits in float32; float32 and float64 (the parity checks' exact mode, whose loss must not
+    round to float32 either) as they are."""
+    return tf.cast(logits, tf.float32) if logits.dtype.size < 4 else logits
+
+
 def _sums(per_example, logits, labels, weights):
     weights = tf.cast(weights, tf.float32)
     hits = tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), labels), tf.float32)
     sums = {
-        "loss_sum": tf.reduce_sum(per_example * weights),
+        "loss_sum": tf.reduce_sum(tf.cast(per_example, tf.float32) * weights),
         "correct": tf.reduce_sum(hits * weights),
         "count": tf.reduce_sum(weights),
     }
