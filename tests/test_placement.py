@@ -239,6 +239,25 @@ def test_a_users_layer_of_two_inputs_gathers_whichever_is_split(applications_idi
     assert plan["add"].impl == "SplitAdd" and plan["add"].in_layouts == (WHOLE, CHANNELS)
 
 
+def test_layer_normalization_stays_on_split_channels_and_all_reduces_its_statistics():
+    """ConvNeXt's LayerNormalization was refused on split channels ("has weights and no
+    split-aware version"). It runs stock there: gamma and beta follow the channels, and its
+    per-position mean and variance (and their gradients) are all-reduced over `model`."""
+    plan = make_plan(user_models.layernorm_convnet((16, 16, 3), 10), "filter_split", [], {"batch": 1, "model": 2})
+    norm = plan["norm"]
+    assert norm.impl == "" and norm.in_layouts == (CHANNELS,) and norm.out_layout == CHANNELS
+    assert plan.specs["norm/gamma"] == plan.specs["norm/beta"] == ["model"]
+    assert [(c.op, c.phase, c.elems_per_example) for c in norm.collectives] == [
+        ("all_reduce", "forward", 2 * 16 * 16), ("all_reduce", "backward", 2 * 16 * 16)]
+    assert saved_elems(plan, norm) == 2 * 16 * 16 * 8 // 2   # its output and normalised input, split
+    x = inputs = keras.Input((8, 8, 3))
+    x = L.LayerNormalization(axis=(1, 2, 3), name="all_axes")(L.Conv2D(8, 3, name="conv")(x))
+    model = keras.Model(inputs, L.Dense(10, name="head")(L.Flatten()(x)))
+    with pytest.raises(UsageError, match=r"^layer all_axes \(LayerNormalization\) receives activations split on "
+                                         r"'model' and normalises axis \[1, 2, 3\], not the split channels alone"):
+        make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
+
+
 @pytest.fixture(scope="module")
 def applications_idioms_plan():
     return make_plan(user_models.applications_idioms((16, 16, 3), 10), "filter_split", [], {"batch": 1, "model": 2})

@@ -158,15 +158,17 @@ class ScaledSum(keras.layers.Layer):
 
 def applications_idioms(input_shape, num_classes, **_):
     """What keras.applications models beyond ResNet and MobileNet do, each of which failed model
-    parallelism in a DTensor error before: a Normalization built with constant mean and variance
-    (EfficientNetV2, ConvNeXt: plain tensors, not variables), a stock MaxPooling2D on a whole
+    parallelism before (a DTensor error, or a refusal): a Normalization built with constant mean
+    and variance (EfficientNetV2, ConvNeXt: plain tensors, not variables), a LayerNormalization
+    on channel-split activations (ConvNeXt: refused), a stock MaxPooling2D on a whole
     tensor added to a channel-split shortcut (Xception: DTensor carried the split up into the
     pooling and the BatchNorm before it), and a user's layer of two inputs with the split one
     second or first (InceptionResNetV2's CustomScaleLayer: placed from its first input only)."""
     L = keras.layers
     x = inputs = keras.Input(input_shape)
     x = L.Normalization(mean=[0.5] * input_shape[-1], variance=[0.25] * input_shape[-1], name="normalize")(x)
-    x = L.Conv2D(8, 3, padding="same", activation="relu", name="stem")(x)   # split on channels
+    x = L.Conv2D(8, 3, padding="same", name="stem")(x)   # split on channels
+    x = L.ReLU(name="stem_relu")(L.LayerNormalization(epsilon=1e-6, name="stem_ln")(x))
     shortcut = L.BatchNormalization(name="shortcut_bn")(L.Conv2D(16, 1, strides=2, use_bias=False,
                                                                  name="shortcut")(x))
     y = L.SeparableConv2D(16, 3, padding="same", use_bias=False, name="separable")(x)   # output whole
@@ -178,3 +180,15 @@ def applications_idioms(input_shape, num_classes, **_):
     x = ScaledSum(0.2, name="scale_split_first")([L.Conv2D(16, 1, name="mix")(x), x])
     x = L.GlobalAveragePooling2D(name="gap")(x)
     return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="applications_idioms")
+
+
+def layernorm_convnet(input_shape, num_classes, **_):
+    """A LayerNormalization between two convolutions (ConvNeXt's stem): on filter_split its
+    input is split on channels, its statistics per position are sums over the split."""
+    L = keras.layers
+    x = inputs = keras.Input(input_shape)
+    x = L.Conv2D(8, 3, padding="same", name="conv1")(x)
+    x = L.LayerNormalization(epsilon=1e-6, name="norm")(x)
+    x = L.Conv2D(8, 3, padding="same", name="conv2")(x)
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="layernorm_convnet")

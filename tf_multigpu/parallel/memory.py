@@ -12,8 +12,8 @@ Counted from the placement plan, per device:
                             - a gathered input (SplitConv2D and every Gather* layer after a
                               split one): a new, whole tensor, saved for the weight gradient
                               (once where two layers gather the same tensor);
-                            - Dropout's mask and BatchNormalization's normalised input, each
-                              the size of the output;
+                            - Dropout's mask and Batch/LayerNormalization's normalised
+                              input, each the size of the output;
                           SplitConv2D keeps its (gathered) input, never a patch matrix;
                           SlicePool2D its input and output, both counted already (its
                           backward re-slices the window taps from the input);
@@ -60,7 +60,7 @@ from tf_multigpu.parallel.placement import BYTES_PER_VALUE, PlacementPlan
 INPUT_PIPELINE_BATCHES = 6
 
 # Layers whose backward keeps a second tensor the size of their output.
-_SAVES_OUTPUT_SIZED = (keras.layers.Dropout, keras.layers.BatchNormalization)
+_SAVES_OUTPUT_SIZED = (keras.layers.Dropout, keras.layers.BatchNormalization, keras.layers.LayerNormalization)
 
 
 def saved_elems(plan: PlacementPlan, layer) -> int:

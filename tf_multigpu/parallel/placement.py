@@ -27,8 +27,10 @@ Implementations. A layer runs its stock Keras class, or a split-aware twin from
   Split<Merge>     Add, Multiply... of a split and a whole operand: the whole one is sliced
                    (its gradient gathered back)
   stock            BatchNormalization (per-channel statistics over the global batch: its
-                   variables follow the channels), elementwise layers, global pooling, and
-                   anything on WHOLE/ROWS.
+                   variables follow the channels), LayerNormalization over the channels
+                   (statistics per position, all-reduced over `model`; gamma and beta follow
+                   the channels), elementwise layers, global pooling, and anything on
+                   WHOLE/ROWS.
 
 Communication per step (what DTensor runs; BUILD_NOTES.md has the lowered graphs):
   forward   one all-gather over `model` of a split input before a layer that needs it whole,
@@ -36,6 +38,8 @@ Communication per step (what DTensor runs; BUILD_NOTES.md has the lowered graphs
   backward  one all-reduce over `model`, at the input's size, for every layer whose kernel is
             split on its output (its input gradient sums over the split channels), except
             where nothing upstream has weights (no input gradient is computed);
+  statistics LayerNormalization on split channels all-reduces two values per position
+            forward (mean, variance) and two backward;
   gradients every trainable variable's gradient is summed over the devices that saw
             different rows: the B groups, times M for layers on ROWS.
 
@@ -369,6 +373,15 @@ class _Walker:
             if whole and needs_dx:
                 elems = sum(int(np.prod(s)) for s in whole)
                 collectives.append(Collective("all_gather", "model", node.name, "backward", elems))
+        if _is(node, L.LayerNormalization) and CHANNELS in ins:
+            # Per position (example, row, column): the mean and variance over the split channels
+            # forward; backward, the input gradient's two sums over them (gamma's and beta's
+            # gradients stay local). Measured in DTensor's lowered step: four all-reduces of
+            # [B, H, W, 1].
+            positions = node.out_elems // node.out_shape[-1]
+            collectives.append(Collective("all_reduce", "model", node.name, "forward", 2 * positions))
+            if needs_dx:
+                collectives.append(Collective("all_reduce", "model", node.name, "backward", 2 * positions))
         if impl == "SplitSeparableConv2D" and ins[0] == CHANNELS:   # pointwise over split channels: partial sums
             collectives.append(Collective("all_reduce", "model", node.name, "forward", node.out_elems))
         return LayerPlan(node, impl, ins, out, gathers and bool(split_in), kernel_split, needs_dx,
@@ -411,6 +424,14 @@ class _Walker:
             if node.config.get("axis") not in (-1, len(node.out_shape), [-1], [len(node.out_shape)]):
                 return self._unplaceable(node, f"normalises axis {node.config.get('axis')}, not the split channels")
             self.follow(node, STOCK_VARIABLE_SPECS[L.BatchNormalization])
+            return "", CHANNELS, False, False, ""
+        if _is(node, L.LayerNormalization):
+            if node.config.get("axis") not in (-1, len(node.out_shape), [-1], [len(node.out_shape)]):
+                return self._unplaceable(node, f"normalises axis {node.config.get('axis')}, not the split channels "
+                                         "alone")
+            # Its mean and variance over the channels are sums over the split: DTensor
+            # all-reduces them (below); gamma and beta follow the channels.
+            self.follow(node, {"gamma": "model", "beta": "model"})
             return "", CHANNELS, False, False, ""
         if _is(node, L.MaxPooling2D):
             return "SlicePool2D", CHANNELS, False, False, ""

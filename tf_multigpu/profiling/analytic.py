@@ -39,6 +39,9 @@ def minimum_bytes(plan: PlacementPlan, global_batch: int) -> dict:
         return out
     share = (m - 1) / m
     for layer in plan.layers:
+        if not layer.kernel_split:   # LayerNorm's statistics, SeparableConv2D's pointwise partial sums
+            reduced = sum(c.elems_per_example for c in layer.collectives if c.op == "all_reduce")
+            out["activations"] += 2 * share * group_batch * reduced * BYTES_PER_VALUE
         split_input = any(lay != WHOLE for lay in layer.in_layouts)
         gathered = sum(c.elems_per_example for c in layer.collectives if c.op == "all_gather")
         if layer.new_gather:   # all-gather forward, reduce-scatter backward
