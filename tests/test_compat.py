@@ -38,6 +38,28 @@ def test_inbound_layer_names_and_producer_name_read_the_functional_graph():
     assert compat.producer_name(out) == "sum" and compat.producer_name(x) == "pixels"
 
 
+def test_elementwise_op_tells_keras_ops_that_act_on_each_value_alone():
+    x = keras.Input((4, 4, 8))
+
+    def bare(y):
+        return [op for op in keras.Model(x, y).operations if not isinstance(op, keras.layers.Layer)]
+
+    hard_swish = bare(x * keras.ops.relu6(x + 3.0) * (1 / 6))
+    assert [type(op).__name__ for op in hard_swish] == ["Add", "Relu6", "Multiply", "Multiply"]
+    assert all(compat.elementwise_op(op) for op in hard_swish)
+    assert not any(compat.elementwise_op(op) for op in bare(keras.ops.reshape(x, (-1, 4, 32))))   # mixes channels
+    assert not any(compat.elementwise_op(op) for op in bare(x * np.arange(8.0)))   # an array constant
+
+
+def test_per_channel_layers_are_keras_applications_layer_scale():
+    (layer_scale,) = compat.per_channel_layers()
+    layer = layer_scale(0.5, 8)
+    layer(keras.Input((4, 4, 8)))
+    assert type(keras.applications.ConvNeXtTiny(weights=None, input_shape=(32, 32, 3)).get_layer(
+        "convnext_tiny_stage_0_block_0_layer_scale")) is layer_scale
+    assert [tuple(w.shape) for w in layer.weights] == [(8,)]
+
+
 def test_optimizer_variable_index_finds_each_variables_slot():
     variables = [keras.Variable(np.zeros((2, 3), "float32")), keras.Variable(np.zeros((5,), "float32"))]
     opt = keras.optimizers.SGD(0.1, momentum=0.9)

@@ -63,6 +63,16 @@ def test_layers_built_under_a_name_scope_are_split_as_planned(devices):
 
 
 @pytest.mark.in_process_mesh
+def test_weights_made_without_a_name_are_split_as_planned(devices):
+    """ConvNeXt's LayerScale makes its weight without a name: Keras numbers it process-wide
+    (`layer_scale/variable_18` in the model, `variable_36` in its clone), so the creator found
+    no plan for it and the build failed its pairing check (it would have stayed whole)."""
+    par, model, _ = _build(devices, "tests.user_models:applications_idioms", "digits")
+    (gamma,) = model.get_layer("layer_scale").weights
+    assert par.local_shape(gamma) == [2] and par.local_shape(model.get_layer("stem_ln").gamma) == [2]
+
+
+@pytest.mark.in_process_mesh
 def test_filter_split_alexnet_on_4_devices_needs_at_most_27_percent(devices):
     par, model, optimizer = _build(devices, "alexnet", "synthetic")
     split = bytes_per_device(par.plan, 32)

@@ -236,7 +236,7 @@ def test_a_users_layer_of_two_inputs_gathers_whichever_is_split(applications_idi
         gathered = sum(c.elems_per_example for c in placed.collectives if c.op == "all_gather")
         assert gathered == plan[split_input].node.out_elems, name
     # a whole operand added to a split one is sliced, and the merge knows which operand was whole
-    assert plan["add"].impl == "SplitAdd" and plan["add"].in_layouts == (WHOLE, CHANNELS)
+    assert plan["merge"].impl == "SplitAdd" and plan["merge"].in_layouts == (WHOLE, CHANNELS)
 
 
 def test_layer_normalization_stays_on_split_channels_and_all_reduces_its_statistics():
@@ -293,10 +293,11 @@ def test_layers_dtensor_refuses_run_their_twin_on_any_layout(mobilenet_v2):
     assert all(p.in_layouts == (WHOLE,) and not plan.split_on_model(p.node.weight("kernel")) for p in depthwise)
 
 
-def test_bare_ops_between_layers_are_placed_replicated_and_refused_on_split_channels():
+def test_bare_ops_between_layers_are_placed_and_refused_on_channels_split_unlike():
     """Keras ops written between layers (`x + 3.0` in MobileNetV3's hard-sigmoid, ConvNeXt's
     residual `inputs + x`) are graph nodes that are not layers: every plan used to fail on them
-    with `KeyError: 'add'`, single-device training included."""
+    with `KeyError: 'add'`, single-device training included. Elementwise ones run on channels
+    split alike (each device its channels); others, or operands split unlike, are refused."""
     inputs = keras.Input((16, 16, 3))
     x = L.Conv2D(8, 3, name="c1")(inputs)
     x = keras.ops.relu(x + 3.0) * (1 / 6)   # a hard-sigmoid of bare ops
@@ -308,15 +309,31 @@ def test_bare_ops_between_layers_are_placed_replicated_and_refused_on_split_chan
     assert len(bare) == 3 and c2.inputs == (bare[-1].name,) and bare[0].inputs == ("c1",)
     assert all(n.out_shape == (14, 14, 8) and not n.weights for n in bare)
     assert all(saved_elems(plan, plan[n.name]) == 14 * 14 * 8 for n in bare)   # counted as layers' outputs
-    refused = r"^layer add(_\d+)? \(Add\) receives activations split on 'model' and is a bare op"
-    with pytest.raises(UsageError, match=refused):
-        make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
+    split = make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
+    assert all(split[n.name].out_layout == CHANNELS and not split[n.name].collectives for n in bare)
+    assert split["c2"].in_layouts == (CHANNELS,) and split["c2"].gathers
     # fc_only splits the classifier only: the bare ops see whole activations and run as they are
-    assert all(layer.impl == "" for layer in make_plan(model, "fc_only", [], {"batch": 1, "model": 2}).layers
-               if layer.node in bare)
-    # a whole operand first and a split one second (ConvNeXt's `inputs + x`) is refused too
+    assert all(layer.impl == "" and layer.out_layout == WHOLE
+               for layer in make_plan(model, "fc_only", [], {"batch": 1, "model": 2}).layers if layer.node in bare)
+    refused = (r"^layer (add|reshape)(_\d+)? \((Add|Reshape)\) receives activations split on 'model' and is a bare op "
+               r"between layers \(keras.ops\) other than an elementwise one on operands split alike")
+    # a whole operand first and a split one second is refused
     inputs = keras.Input((16, 16, 8))
     x = inputs + L.Conv2D(8, 3, padding="same", name="c1")(inputs)
     residual = keras.Model(inputs, L.Dense(10, name="logits")(L.GlobalAveragePooling2D()(x)), name="r")
     with pytest.raises(UsageError, match=refused):
         make_plan(residual, "filter_split", [], {"batch": 1, "model": 2})
+    # so is an op that mixes the channels
+    x = keras.ops.reshape(L.Conv2D(8, 3, padding="same", name="c1")(inputs), (-1, 16, 32, 4))
+    mixed = keras.Model(inputs, L.Dense(10, name="logits")(L.GlobalAveragePooling2D()(x)), name="mixed")
+    with pytest.raises(UsageError, match=refused):
+        make_plan(mixed, "filter_split", [], {"batch": 1, "model": 2})
+
+
+def test_layer_scale_of_keras_applications_follows_the_channels(applications_idioms_plan):
+    """ConvNeXt's LayerScale (`x * gamma`, a keras.applications layer) was refused on split
+    channels ("has weights and no split-aware version"): its gamma is split with them."""
+    plan = applications_idioms_plan
+    assert plan["layer_scale"].impl == "" and plan["layer_scale"].out_layout == CHANNELS
+    (gamma,) = plan["layer_scale"].node.weights
+    assert plan.specs[gamma] == ["model"] and not plan["layer_scale"].collectives

@@ -2,6 +2,8 @@
 
 import keras
 
+from tf_multigpu.compat import per_channel_layers
+
 NOT_CALLABLE = 3
 
 
@@ -159,8 +161,9 @@ class ScaledSum(keras.layers.Layer):
 def applications_idioms(input_shape, num_classes, **_):
     """What keras.applications models beyond ResNet and MobileNet do, each of which failed model
     parallelism before (a DTensor error, or a refusal): a Normalization built with constant mean
-    and variance (EfficientNetV2, ConvNeXt: plain tensors, not variables), a LayerNormalization
-    on channel-split activations (ConvNeXt: refused), a stock MaxPooling2D on a whole
+    and variance (EfficientNetV2, ConvNeXt: plain tensors, not variables), a LayerNormalization,
+    keras.applications' LayerScale and bare keras.ops on channel-split activations (ConvNeXt's
+    `x + LayerScale(...)`, MobileNetV3's hard-swish: refused), a stock MaxPooling2D on a whole
     tensor added to a channel-split shortcut (Xception: DTensor carried the split up into the
     pooling and the BatchNorm before it), and a user's layer of two inputs with the split one
     second or first (InceptionResNetV2's CustomScaleLayer: placed from its first input only)."""
@@ -169,12 +172,15 @@ def applications_idioms(input_shape, num_classes, **_):
     x = L.Normalization(mean=[0.5] * input_shape[-1], variance=[0.25] * input_shape[-1], name="normalize")(x)
     x = L.Conv2D(8, 3, padding="same", name="stem")(x)   # split on channels
     x = L.ReLU(name="stem_relu")(L.LayerNormalization(epsilon=1e-6, name="stem_ln")(x))
+    layer_scale = per_channel_layers()[0](0.5, 8, name="layer_scale")   # its weight has no name
+    x = x + layer_scale(L.DepthwiseConv2D(3, padding="same", name="depthwise")(x))   # a bare add
+    x = x * keras.ops.relu6(x + 3.0) * (1 / 6)   # MobileNetV3's hard-swish, bare ops
     shortcut = L.BatchNormalization(name="shortcut_bn")(L.Conv2D(16, 1, strides=2, use_bias=False,
                                                                  name="shortcut")(x))
     y = L.SeparableConv2D(16, 3, padding="same", use_bias=False, name="separable")(x)   # output whole
     y = L.BatchNormalization(name="separable_bn")(y)
     y = L.MaxPooling2D(3, strides=2, padding="same", name="pool")(y)
-    x = L.Add(name="add")([y, shortcut])   # whole + split
+    x = L.Add(name="merge")([y, shortcut])   # whole + split
     a = L.Concatenate(name="concat")([L.Conv2D(8, 1, name="branch_a")(x), L.Conv2D(8, 1, name="branch_b")(x)])
     x = ScaledSum(0.2, name="scale_whole_first")([a, L.Conv2D(16, 3, padding="same", name="residual")(a)])
     x = ScaledSum(0.2, name="scale_split_first")([L.Conv2D(16, 1, name="mix")(x), x])

@@ -42,6 +42,44 @@ def op_call_shapes(op) -> tuple:
     return tuple(tuple(t.shape[1:]) for t in node.input_tensors), tuple(node.output_tensors[0].shape[1:])
 
 
+# keras.ops operations that act on each value alone (keras.src.ops.numpy and .nn class names)
+_ELEMENTWISE_OPS = {
+    "numpy": ("Add", "Subtract", "Multiply", "Divide", "TrueDivide", "Maximum", "Minimum", "Negative", "Absolute",
+              "Square", "Sqrt", "Exp", "Log", "Power", "Clip", "Tanh", "Sign", "Reciprocal"),
+    "nn": ("Relu", "Relu6", "Sigmoid", "HardSigmoid", "HardSilu", "Silu", "Gelu", "Elu", "Selu", "LeakyRelu",
+           "Softplus", "Softsign"),
+}
+
+
+def elementwise_op(op) -> bool:
+    """Whether a bare op of a functional graph acts on each value alone: one of keras.ops'
+    elementwise operations (`x + 3.0`, `keras.ops.relu6`), called on tensors and Python
+    numbers only (an array constant would be whole beside a channel-split tensor).
+
+    keras.ops are public as functions only; the Operation classes a graph holds, and the
+    arguments of their call (its inbound node), are private.
+    """
+    from keras import KerasTensor
+    from keras.src.ops import nn, numpy
+    classes = tuple(getattr(numpy, n) for n in _ELEMENTWISE_OPS["numpy"]) + tuple(
+        getattr(nn, n) for n in _ELEMENTWISE_OPS["nn"])
+    if type(op) not in classes:
+        return False
+    arguments = op._inbound_nodes[0].arguments
+    return all(isinstance(a, (KerasTensor, int, float)) for a in (*arguments.args, *arguments.kwargs.values()))
+
+
+def per_channel_layers() -> tuple:
+    """keras.applications' own layers that scale each channel by a weight of their own
+    (ConvNeXt's LayerScale: `x * gamma`, gamma of the channel count), for the placement plan to
+    split that weight with the channels.
+
+    keras.applications exports its model functions, not these layers.
+    """
+    from keras.src.applications.convnext import LayerScale
+    return (LayerScale,)
+
+
 def producer_name(tensor) -> str:
     """The name of the layer (or InputLayer) that produced a symbolic Keras tensor.
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable
 
 import keras
@@ -151,7 +152,15 @@ class DTensorParallelism:
         if not self.plan or path in self.plan.specs:
             return path
         scoped = [p for p in self.plan.specs if p.endswith("/" + path)]
-        return scoped[0] if len(scoped) == 1 else path
+        if len(scoped) == 1:
+            return scoped[0]
+        # A weight made without a name (`add_weight(shape)`: ConvNeXt's LayerScale) is numbered
+        # by Keras process-wide, in creation order: `layer_scale/variable_18` in the model is
+        # `layer_scale/variable_36` in its clone. The one such weight of the same layer is it.
+        layer, _, name = path.rpartition("/")
+        unnumbered = [p for p in self.plan.specs if _unnumbered(p.rpartition("/")[2]) == _unnumbered(name)
+                      and (p.rpartition("/")[0] == layer or p.rpartition("/")[0].endswith("/" + layer))]
+        return unnumbered[0] if len(unnumbered) == 1 else path
 
     def _creator(self, next_creator, **kwargs):
         name = kwargs.get("name") or "variable"
@@ -318,6 +327,11 @@ class DTensorParallelism:
             return {k: dtensor.unpack(v)[0] for k, v in totals.items()}
 
         return run
+
+
+def _unnumbered(name: str) -> str:
+    """A variable name without the `_N` Keras appends to make it unique (`variable_18`)."""
+    return re.sub(r"_\d+$", "", name)
 
 
 def _implementation(name: str, stock: type) -> type:

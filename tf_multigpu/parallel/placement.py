@@ -29,8 +29,9 @@ Implementations. A layer runs its stock Keras class, or a split-aware twin from
   stock            BatchNormalization (per-channel statistics over the global batch: its
                    variables follow the channels), LayerNormalization over the channels
                    (statistics per position, all-reduced over `model`; gamma and beta follow
-                   the channels), elementwise layers, global pooling, and anything on
-                   WHOLE/ROWS.
+                   the channels), elementwise layers and elementwise bare keras.ops
+                   (`x + 3.0`, on operands split alike), keras.applications' LayerScale (its
+                   gamma follows the channels), global pooling, and anything on WHOLE/ROWS.
 
 Communication per step (what DTensor runs; BUILD_NOTES.md has the lowered graphs):
   forward   one all-gather over `model` of a split input before a layer that needs it whole,
@@ -63,7 +64,7 @@ import re
 import keras
 import numpy as np
 
-from tf_multigpu.compat import inbound_layer_names, op_call_shapes, producer_name
+from tf_multigpu.compat import elementwise_op, inbound_layer_names, op_call_shapes, per_channel_layers, producer_name
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import UNSPLIT, assign_specs
 from tf_multigpu.parallel.split_layers_modern import MERGES, SPLIT_AWARE, STOCK_VARIABLE_SPECS, SplitGroupedConv2D
@@ -241,7 +242,8 @@ def model_graph(model: keras.Model) -> tuple:
                 continue
             if not isinstance(layer, keras.layers.Layer):   # a bare op: no weights, one call
                 in_shapes, out_shape = op_call_shapes(layer)
-                nodes.append(Node(layer.name, type(layer), producers, in_shapes, out_shape, {}, ()))
+                nodes.append(Node(layer.name, type(layer), producers, in_shapes, out_shape, {}, (),
+                                  {"elementwise": elementwise_op(layer)}))
                 continue
             ins = layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]
             nodes.append(Node(layer.name, type(layer), producers,
@@ -412,8 +414,14 @@ class _Walker:
             self.follow(node, impl.VARIABLE_SPECS)
             return impl.__name__, (CHANNELS if impl.SPLITS_OUTPUT else WHOLE), False, False, ""
         if CHANNELS in ins and not issubclass(node.cls, keras.layers.Layer):   # any operand, not only the first
-            return self._unplaceable(node, "is a bare op between layers (e.g. `x + 3.0`), which model parallelism "
-                                     "cannot place on split channels (wrapped in a layer, it would run gathered)")
+            # Elementwise on operands split alike (MobileNetV3's `x + 3.0`, ConvNeXt's
+            # `inputs + x`): each device computes its channels, as for an Add layer.
+            if node.config.get("elementwise") and set(ins) == {CHANNELS} and all(
+                    s[-1] == node.out_shape[-1] for s in node.in_shapes):
+                return "", CHANNELS, False, False, ""
+            return self._unplaceable(node, "is a bare op between layers (keras.ops) other than an elementwise one on "
+                                     "operands split alike, which model parallelism cannot place on split channels "
+                                     "(wrapped in a layer, it would run gathered)")
         if CHANNELS not in ins:   # on whole or row-split activations every stock layer runs as it is
             if any(self.split(p) for p in node.weights):
                 return self._unplaceable(node, "has a split variable but no split-aware version")
@@ -432,6 +440,9 @@ class _Walker:
             # Its mean and variance over the channels are sums over the split: DTensor
             # all-reduces them (below); gamma and beta follow the channels.
             self.follow(node, {"gamma": "model", "beta": "model"})
+            return "", CHANNELS, False, False, ""
+        if _is(node, *per_channel_layers()):   # their weights scale the channels: split with them
+            self.follow(node, {path.rsplit("/", 1)[-1]: "model" for path in node.weights})
             return "", CHANNELS, False, False, ""
         if _is(node, L.MaxPooling2D):
             return "SlicePool2D", CHANNELS, False, False, ""
