@@ -73,6 +73,19 @@ def test_weights_made_without_a_name_are_split_as_planned(devices):
 
 
 @pytest.mark.in_process_mesh
+def test_two_unnamed_weights_and_an_adapted_normalization_are_carried_over(devices):
+    """A layer with two unnamed weights failed the build's pairing check (one unnamed weight
+    per layer was mapped); an adapted Normalization's mean and variance, derived from its
+    weights when the clone was built, stayed at 0 and 1 (the clone's initial values)."""
+    par, model, _ = _build(devices, "tests.user_models:adapted_unnamed_convnet", "digits")
+    norm = model.get_layer("normalize")
+    assert abs(par.to_numpy(norm.adapt_mean)[0] - 6.5) < 1e-6
+    assert abs(float(np.asarray(dtensor.unpack(norm.mean)[0]).ravel()[0]) - 6.5) < 1e-6
+    assert [par.local_shape(w) for w in model.get_layer("affine").weights] == [[1], [1]]
+    assert par.local_shape(model.get_layer("conv").kernel)[-1] == 2
+
+
+@pytest.mark.in_process_mesh
 def test_filter_split_alexnet_on_4_devices_needs_at_most_27_percent(devices):
     par, model, optimizer = _build(devices, "alexnet", "synthetic")
     split = bytes_per_device(par.plan, 32)

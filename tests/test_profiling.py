@@ -201,7 +201,7 @@ def test_resnet50_activation_bytes_measured_equal_the_plans(tmp_path):
 def test_layer_normalization_statistics_measured_equal_the_plans(tmp_path):
     """A LayerNormalization on split channels (model 1x2, 16x16, batch 8): the all-reduces
     DTensor's lowered step runs under its name are the plan's, two values per position forward
-    (mean, variance) and two backward, and the analytic minimum counts them."""
+    (mean, variance) and two backward."""
     from tests.user_models import layernorm_convnet
     from tf_multigpu.parallel.placement import make_plan
     run_dir = tmp_path / "layernorm"

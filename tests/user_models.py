@@ -198,3 +198,27 @@ def layernorm_convnet(input_shape, num_classes, **_):
     x = L.Conv2D(8, 3, padding="same", name="conv2")(x)
     x = L.GlobalAveragePooling2D(name="gap")(x)
     return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="layernorm_convnet")
+
+
+class Affine(keras.layers.Layer):
+    """x * scale + shift with both weights made without a name (Keras numbers them)."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+        self.shift = self.add_weight(shape=(input_shape[-1],), initializer="zeros")
+
+    def call(self, x):
+        return x * self.scale + self.shift
+
+
+def adapted_unnamed_convnet(input_shape, num_classes, **_):
+    """An adapted Normalization (its mean and variance derived from weights when built) and a
+    user's layer with two unnamed weights, on the whole input, before split convolutions."""
+    import numpy as np
+    L = keras.layers
+    norm = L.Normalization(name="normalize")
+    norm.adapt(np.full((4, *input_shape), 5.0, "float32") + np.arange(4, dtype="float32").reshape(4, 1, 1, 1))
+    x = inputs = keras.Input(input_shape)
+    x = Affine(name="affine")(norm(x))
+    x = L.GlobalAveragePooling2D(name="gap")(L.Conv2D(8, 3, padding="same", name="conv")(x))
+    return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="adapted_unnamed_convnet")

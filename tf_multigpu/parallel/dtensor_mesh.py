@@ -126,6 +126,8 @@ class DTensorParallelism:
         self.plan: PlacementPlan | None = None   # set by build_model
         self._by_path = {}       # variable path -> layout (slots look theirs up here)
         self._layouts = {}       # id(DVariable) -> its layout (relayout_like)
+        self._planned = {}       # a clone's variable path -> the plan's path of that variable
+        self._unnamed_seen = {}  # (layer path, unnumbered name) -> unnamed weights created so far
 
     @property
     def replica_batch(self) -> int:
@@ -156,17 +158,23 @@ class DTensorParallelism:
             return scoped[0]
         # A weight made without a name (`add_weight(shape)`: ConvNeXt's LayerScale) is numbered
         # by Keras process-wide, in creation order: `layer_scale/variable_18` in the model is
-        # `layer_scale/variable_36` in its clone. The one such weight of the same layer is it.
+        # `layer_scale/variable_36` in its clone. The clone creates a layer's weights in the
+        # model's order, so its k-th such weight is the plan's k-th (the creator asks once per
+        # variable: this counts).
         layer, _, name = path.rpartition("/")
         unnumbered = [p for p in self.plan.specs if _unnumbered(p.rpartition("/")[2]) == _unnumbered(name)
                       and (p.rpartition("/")[0] == layer or p.rpartition("/")[0].endswith("/" + layer))]
-        return unnumbered[0] if len(unnumbered) == 1 else path
+        k = self._unnamed_seen.get((layer, _unnumbered(name)), 0)
+        if k < len(unnumbered):
+            self._unnamed_seen[(layer, _unnumbered(name))] = k + 1
+            return unnumbered[k]
+        return path
 
     def _creator(self, next_creator, **kwargs):
         name = kwargs.get("name") or "variable"
         scope = keras_name_scope_path()
         path = f"{scope}/{name}" if scope else name
-        planned = self._plan_path(path)
+        planned = self._planned[path] = self._plan_path(path)
         initial = kwargs["initial_value"]
         # Keras makes an optimizer slot's initial value under colocate_with(its variable), i.e.
         # on the DTensor device, where an op with no DTensor input runs on the device's default
@@ -246,9 +254,12 @@ class DTensorParallelism:
         # stock Dropout's seed state has no counterpart in the clone (StatelessDropout has none).
         pairs = list(zip(model.weights, plain.weights)) + list(zip(_rng_states(model), _rng_states(plain)))
         for var, value in pairs:
-            if value.path in self.plan.specs and self._plan_path(var.path) != value.path:
+            if value.path in self.plan.specs and self._planned.get(var.path, var.path) != value.path:
                 raise AssertionError(f"cloned model's variables are out of order: {var.path} vs {value.path}")
             var.assign(self.put(value, self._layout_for(var.path, var.name, list(var.shape))))
+        for layer in all_layers(model):   # state derived from weights (an adapted Normalization's mean)
+            if hasattr(layer, "finalize_state"):   # was computed from the clone's initial values
+                layer.finalize_state()
         self._constants_on_mesh(model)
         return model
 
@@ -272,7 +283,10 @@ class DTensorParallelism:
                 return layer
             placed = plan[layer.name]
             gathers_logits = (placed is plan.layers[-1] and plan.output_layout == CHANNELS
-                              and layer.compute_dtype == "float64")
+                              and keras.config.floatx() == "float64")
+            if gathers_logits and not isinstance(layer, keras.layers.Layer):
+                raise UsageError(f"the model's output comes from a bare op ({layer.name}) on logits split over "
+                                 "'model', which float64 cannot gather: end the model with a layer")
             if not placed.impl and not gathers_logits:
                 return stateless_dropout(layer)   # Dropout -> StatelessDropout, else a fresh copy
             if placed.impl:

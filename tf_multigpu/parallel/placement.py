@@ -40,7 +40,7 @@ Communication per step (what DTensor runs; BUILD_NOTES.md has the lowered graphs
             split on its output (its input gradient sums over the split channels), except
             where nothing upstream has weights (no input gradient is computed);
   statistics LayerNormalization on split channels all-reduces two values per position
-            forward (mean, variance) and two backward;
+            forward (mean, variance) and, where an input gradient is computed, two backward;
   gradients every trainable variable's gradient is summed over the devices that saw
             different rows: the B groups, times M for layers on ROWS.
 
