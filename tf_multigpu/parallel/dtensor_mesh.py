@@ -257,19 +257,21 @@ class DTensorParallelism:
             if value.path in self.plan.specs and self._planned.get(var.path, var.path) != value.path:
                 raise AssertionError(f"cloned model's variables are out of order: {var.path} vs {value.path}")
             var.assign(self.put(value, self._layout_for(var.path, var.name, list(var.shape))))
-        for layer in all_layers(model):   # state derived from weights (an adapted Normalization's mean)
-            if hasattr(layer, "finalize_state"):   # was computed from the clone's initial values
-                layer.finalize_state()
-        self._constants_on_mesh(model)
+        self._state_on_mesh(model)
         return model
 
-    def _constants_on_mesh(self, model: keras.Model):
-        """Replaces the plain tensors a layer keeps as attributes (a Normalization built with a
-        given mean and variance: EfficientNetV2's and ConvNeXt's preprocessing) by replicated
-        copies on the mesh. A DTensor step refuses a plain tensor it captures ("got a regular
-        tensor for input 2 (shape [1,1,1,3]) but was expecting a DTensor"); variables are
-        already on the mesh (the creator)."""
+    def _state_on_mesh(self, model: keras.Model):
+        """The state layers keep beside their variables, made right on the mesh once the
+        variables hold the model's values:
+        - state derived from weights (an adapted Normalization's mean) is derived again: the
+          clone's build derived it from its initial values (`finalize_state`);
+        - plain tensors kept as attributes (a Normalization built with a given mean and
+          variance: EfficientNetV2's and ConvNeXt's preprocessing) become replicated copies on
+          the mesh: a DTensor step refuses a plain tensor it captures ("got a regular tensor for
+          input 2 (shape [1,1,1,3]) but was expecting a DTensor")."""
         for layer in all_layers(model):
+            if hasattr(layer, "finalize_state"):
+                layer.finalize_state()
             for name, value in list(vars(layer).items()):
                 if isinstance(value, tf.Tensor) and not dtensor.is_dtensor(value):
                     setattr(layer, name, self.put(value, dtensor.Layout.replicated(self.mesh, value.shape.rank)))
@@ -287,12 +289,12 @@ class DTensorParallelism:
             if gathers_logits and not isinstance(layer, keras.layers.Layer):
                 raise UsageError(f"the model's output comes from a bare op ({layer.name}) on logits split over "
                                  "'model', which float64 cannot gather: end the model with a layer")
-            if not placed.impl and not gathers_logits:
-                return stateless_dropout(layer)   # Dropout -> StatelessDropout, else a fresh copy
             if placed.impl:
                 new = _implementation(placed.impl, type(layer)).from_config(layer.get_config())
             else:
-                new = stateless_dropout(layer)
+                new = stateless_dropout(layer)   # Dropout -> StatelessDropout, else a fresh copy
+                if not gathers_logits:
+                    return new
             if gathers_logits:
                 # DTensor's softmax cross-entropy over float64 logits split on classes is wrong
                 # (TF 2.21: the loss off by 7.3 and its gradient by 1.0 on 4 x 6 logits, where

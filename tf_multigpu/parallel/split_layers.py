@@ -25,15 +25,14 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tf_multigpu.parallel.split_conv import split_conv2d
-from tf_multigpu.parallel.split_layers_modern import window_max
+from tf_multigpu.parallel.split_layers_modern import activation_layout, window_max
 
 
 def gather_model_axis(x, mesh, name):
     """Relayout x to batch-sharded, replicated on `model` (an all-gather of whatever dimension
     is sharded on `model`, channels or rows; a no-op if none is)."""
-    layout = dtensor.Layout(["batch"] + [dtensor.UNSHARDED] * (len(x.shape) - 1), mesh)
     with tf.name_scope(f"relayout/{name}/activations"):
-        return dtensor.relayout(x, layout)
+        return dtensor.relayout(x, activation_layout(x, mesh, split=False))
 
 
 class _Gathers:

@@ -45,7 +45,7 @@ _BN_SPECS = {"gamma": "model", "beta": "model", "moving_mean": "model", "moving_
 STOCK_VARIABLE_SPECS = {keras.layers.BatchNormalization: _BN_SPECS}
 
 
-def _activation_layout(x, mesh, split: bool) -> dtensor.Layout:
+def activation_layout(x, mesh, split: bool) -> dtensor.Layout:
     """Batch-sharded, the last (channel/unit) dim split on `model` or whole."""
     return dtensor.Layout(["batch"] + [U] * (len(x.shape) - 2) + ["model" if split else U], mesh)
 
@@ -62,9 +62,9 @@ def relayout_activations(x, mesh, split: bool, name: str, split_before: bool | N
     into x's producers, where a whole tensor's MaxPool or BatchNorm refuses a channel split
     (Xception: "EmitAllScatter was passed a desired_layout ... which was not more sharded than
     the original_layout", from the BatchNorm's tf.Mean two layers before the Add)."""
-    layout = _activation_layout(x, mesh, split)
+    layout = activation_layout(x, mesh, split)
     if split_before is not None and split_before != split:
-        x = dtensor.relayout(x, _activation_layout(x, mesh, split_before))
+        x = dtensor.relayout(x, activation_layout(x, mesh, split_before))
 
     @tf.custom_gradient
     def relayout(x):
