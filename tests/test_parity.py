@@ -164,13 +164,15 @@ def test_sharded_optimizer_state_matches_one_device_and_holds_half_the_momentum(
 # namesake in the whole model and every decision of the whole model's plan occurs in the cut
 # one (test_placement.py). The worker's CPU time: ResNet-50 144 s, cut 38 s; MobileNetV2 at
 # width 0.35 142 s, cut 32 s. `applications_idioms` holds, in a few small layers, what
-# Xception, EfficientNetV2 and InceptionResNetV2 do that failed before.)
+# Xception, EfficientNetV2 and InceptionResNetV2 do that failed before; `separable_convnet`
+# Xception's separable convolutions split on filters and on channels in turn.)
 FLOAT64_TOLERANCE = 1e-10
 USER_MODELS = [
     ("tests.user_models:resnet50_first_blocks", "model", "batch:1,model:2", "filter_split,fc_only"),
     ("tests.user_models:mobilenet_v2_first_blocks", "hybrid", "batch:2,model:2", "filter_split,fc_only"),
     ("tests.user_models:renamed_convnet", "model", "batch:1,model:4", "filter_split,fc_only"),
     ("tests.user_models:applications_idioms", "hybrid", "batch:2,model:2", "filter_split,fc_only"),
+    ("tests.user_models:separable_convnet", "model", "batch:1,model:4", "filter_split,fc_only"),
 ]
 
 

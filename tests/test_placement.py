@@ -7,6 +7,7 @@ import os
 import re
 
 import keras
+import numpy as np
 import pytest
 
 from tests import user_models
@@ -100,6 +101,69 @@ def test_grouped_and_separable_convolutions_on_split_channels_are_chosen_by_the_
         make_plan(keras.Sequential([keras.Input((16, 16, 3)), L.Conv2D(8, 3, name="c1"),
                                     L.Conv2D(8, 3, groups=2, name="grouped")]), "filter_split", [],
                   {"batch": 1, "model": 4})
+
+
+def test_filter_split_splits_separable_convolutions_on_filters_and_on_channels_in_turn():
+    """filter_split splits every SeparableConv2D: on a whole input its pointwise kernel on
+    filters (output split; backward, the depthwise output's gradient all-reduced), on split
+    channels on its inputs (output whole; forward, the pointwise partial sums all-reduced), so
+    separable convolutions alternate with no gather between them. Every pointwise kernel is
+    split. A rule splitting a pointwise kernel on filters after split channels
+    gathers its input first."""
+    model = user_models.separable_convnet((16, 16, 3), 10)
+    plan = make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
+    row, column = "SplitSeparableConv2D", "FilterSplitSeparableConv2D"
+    expected = {"sep_stem": (column, WHOLE, CHANNELS), "sep_row": (row, CHANNELS, WHOLE),
+                "sep_column": (column, WHOLE, CHANNELS), "sep_row2": (row, CHANNELS, WHOLE),
+                "sep_row3": (row, CHANNELS, WHOLE), "sep_strided": (column, WHOLE, CHANNELS)}
+    for name, (impl, x, y) in expected.items():
+        assert (plan[name].impl, plan[name].in_layouts[0], plan[name].out_layout) == (impl, x, y), name
+    spec = plan.specs
+    assert spec["sep_stem/pointwise_kernel"] == ["-", "-", "-", "model"] and spec["sep_stem/bias"] == ["model"]
+    assert spec["sep_stem/depthwise_kernel"] == ["-"] * 4   # the depthwise part runs whole
+    assert spec["sep_row/pointwise_kernel"] == spec["sep_row/depthwise_kernel"] == ["-", "-", "model", "-"]
+    assert spec["sep_row3/bias"] == ["-"]   # added to the whole output
+    # The stem computes no input gradient, but its (whole) depthwise kernel's gradient needs
+    # the depthwise output's, summed over the filters: [16, 16, 3]. The strided one's depthwise
+    # output has a multiplier of 2: [7, 7, 16 * 2].
+    comm = {n: [(c.op, c.phase, c.elems_per_example) for c in plan[n].collectives] for n in expected}
+    assert comm == {"sep_stem": [("all_reduce", "backward", 16 * 16 * 3)],
+                    "sep_row": [("all_reduce", "forward", 16 * 16 * 8)],
+                    "sep_column": [("all_reduce", "backward", 16 * 16 * 8)],
+                    "sep_row2": [("all_reduce", "forward", 16 * 16 * 8)],
+                    "sep_row3": [("all_reduce", "forward", 16 * 16 * 16)],
+                    "sep_strided": [("all_reduce", "backward", 7 * 7 * 32)]}
+    for name in expected:   # every pointwise kernel split in two
+        path = f"{name}/pointwise_kernel"
+        assert plan.local_elems(path, model.get_layer(name).pointwise_kernel.shape) * 2 == int(
+            np.prod(model.get_layer(name).pointwise_kernel.shape))
+    # the depthwise output is kept for the pointwise kernel's gradient: split on channels in
+    # the row-split one, whole in the column-split one
+    assert saved_elems(plan, plan["sep_row"]) == 16 * 16 * 8 + 16 * 16 * 8 // 2
+    assert saved_elems(plan, plan["sep_column"]) == 16 * 16 * 8 // 2 + 16 * 16 * 8
+
+    rules = [(".*logits/kernel", "-,model"), (".*sep_stem/pointwise_kernel", "-,-,-,model"),
+             (".*sep_row/pointwise_kernel", "-,-,-,model")]
+    ruled = make_plan(model, "filter_split", rules, {"batch": 1, "model": 2})
+    assert ruled["sep_row"].impl == column and ruled["sep_row"].gathers and ruled["sep_row"].new_gather
+    assert [(c.op, c.phase, c.elems_per_example) for c in ruled["sep_row"].collectives] == [
+        ("all_gather", "forward", 16 * 16 * 8), ("all_reduce", "backward", 16 * 16 * 8)]
+    assert ruled["sep_column"].impl == row and ruled["sep_column"].out_layout == WHOLE
+    with pytest.raises(UsageError, match=r"^sep_stem/pointwise_kernel dimension 3 \(8\) does not divide by the 3 "
+                                         r"devices of mesh axis 'model': change --mesh or the layout$"):
+        make_plan(model, "filter_split", [], {"batch": 1, "model": 3})
+
+
+def test_xception_holds_half_its_parameters_per_device_on_filter_split():
+    """Xception's 34 separable convolutions: with the pointwise kernels of those on whole
+    inputs replicated, one device of model 1x2 held 0.79 of the parameters (0.68 on 1x4)."""
+    model = keras.applications.Xception(weights=None, input_shape=(71, 71, 3), classes=1000)
+    single = bytes_per_device(make_plan(model, "", [], {"batch": 1, "model": 1}), 8)["parameters"]
+    for m, share in ((2, 0.51), (4, 0.26)):
+        plan = make_plan(model, "filter_split", [], {"batch": 1, "model": m})
+        assert bytes_per_device(plan, 8)["parameters"] / single <= share
+        impls = [p.impl for p in plan.layers if p.node.cls is L.SeparableConv2D]
+        assert impls.count("FilterSplitSeparableConv2D") == 13 and impls.count("SplitSeparableConv2D") == 21
 
 
 def test_user_layout_rules_replace_the_policy():

@@ -219,3 +219,31 @@ def test_layer_normalization_statistics_measured_equal_the_plans(tmp_path):
     planned = {c.phase == "forward": 8 * c.elems_per_example * 4 for c in plan["norm"].collectives}
     assert measured == planned == {True: 8 * 2 * 16 * 16 * 4, False: 8 * 2 * 16 * 16 * 4}
     assert gathered == 8 * plan["conv2"].collectives[0].elems_per_example * 4 == 8 * 16 * 16 * 8 * 4
+
+
+def test_separable_convolutions_measured_collectives_equal_the_plans(tmp_path):
+    """filter_split's separable convolutions (model 1x2, 16x16, batch 8): under each one's name
+    DTensor's lowered step runs exactly the plan's all-reduce (forward for one on split
+    channels, backward for one split on filters), and the forward gathers add up to the
+    analytic payload (a merge's backward gather of its whole operand's gradient, under its own
+    name scope, is not counted as forward)."""
+    from tests.user_models import separable_convnet
+    from tf_multigpu.parallel.placement import make_plan
+    from tf_multigpu.profiling.analytic import minimum_bytes
+    run_dir = tmp_path / "separable"
+    done = run_cli(f"--run_dir={run_dir}", "--strategy=model", "--cpu_devices=2", "--dataset=synthetic",
+                   "--image_size=16", "--model=tests.user_models:separable_convnet", "--batch_size=8",
+                   "--steps=2", "--profile_steps=2,2", "--log_every=2", "--noexport", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = _report(run_dir)
+    plan = make_plan(separable_convnet((16, 16, 3), 1000), "filter_split", [], {"batch": 1, "model": 2})
+    names = [p.name for p in plan.layers if p.node.cls.__name__ == "SeparableConv2D"]
+    measured = {n: sorted((c["op"], c["forward"], c["payload_bytes"]) for c in report["collectives"]
+                          if f"/{n}_1/" in c["name"]) for n in names}
+    planned = {n: sorted((c.op, c.phase == "forward", 8 * c.elems_per_example * 4) for c in plan[n].collectives)
+               for n in names}
+    assert measured == planned
+    assert len(names) == 6 and all(len(v) == 1 for v in planned.values())
+    gathers = report["forward_activation_gathers"]
+    assert gathers["measured_payload_bytes"] == gathers["analytic_payload_bytes"] == \
+        minimum_bytes(plan, 8)["forward_activation_payload"]

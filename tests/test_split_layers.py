@@ -375,6 +375,20 @@ def test_split_separable_conv_equals_keras_with_one_all_reduce(devices, kw, b, m
     assert seen is None or all("allreduce/sep/activations" in name for name in seen if "DTensorAll" in name)
 
 
+@pytest.mark.parametrize("b,m", MESHES)
+@pytest.mark.parametrize("kw", [{"filters": 6, "kernel_size": 3, "padding": "same"},
+                                {"filters": 6, "kernel_size": 3, "strides": 2, "depth_multiplier": 2}],
+                         ids=["s1_same", "s2_valid_mult2"])
+@pytest.mark.parametrize("split_input", [False, True], ids=["whole_input", "split_input"])
+def test_filter_split_separable_conv_equals_keras(devices, kw, split_input, b, m):
+    """filter_split's SeparableConv2D (Xception's): the pointwise kernel split on its filters, the
+    input gathered first, the output split; backward, the depthwise output's gradient is
+    all-reduced."""
+    check_parity(devices, lambda: keras.layers.SeparableConv2D(name="sep", **kw),
+                 lambda: M.FilterSplitSeparableConv2D(name="sep", **kw), [_x()], [SPLIT4 if split_input else WHOLE4],
+                 b, m, SPLIT4, M.FilterSplitSeparableConv2D.VARIABLE_SPECS, communicates=True)
+
+
 GROUPED = {
     "g2_3x3_same": {"filters": 8, "kernel_size": 3, "padding": "same", "groups": 2},
     "g4_3x3_s2_valid": {"filters": 12, "kernel_size": 3, "strides": 2, "groups": 4},

@@ -222,3 +222,26 @@ def adapted_unnamed_convnet(input_shape, num_classes, **_):
     x = Affine(name="affine")(norm(x))
     x = L.GlobalAveragePooling2D(name="gap")(L.Conv2D(8, 3, padding="same", name="conv")(x))
     return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="adapted_unnamed_convnet")
+
+
+def separable_convnet(input_shape, num_classes, **_):
+    """Xception's separable convolutions on filter_split: the first layer (a whole input, no
+    input gradient) and every separable on a whole input split their pointwise kernel on
+    filters (FilterSplitSeparableConv2D, output split); one on split channels stays row-split
+    (SplitSeparableConv2D, output whole), so they alternate, as in Xception's middle flow,
+    whose residual adds the whole output to the split shortcut. A depth multiplier of 2 and a
+    stride of 2 on the last one (whole -> split)."""
+    L = keras.layers
+    x = inputs = keras.Input(input_shape)
+    x = L.SeparableConv2D(8, 3, padding="same", name="sep_stem")(x)            # whole -> split, with a bias
+    x = shortcut = L.ReLU(name="stem_relu")(L.BatchNormalization(name="stem_bn")(x))
+    x = L.SeparableConv2D(8, 3, padding="same", use_bias=False, name="sep_row")(x)   # split -> whole
+    x = L.ReLU(name="row_relu")(L.BatchNormalization(name="row_bn")(x))
+    x = L.SeparableConv2D(8, 3, padding="same", use_bias=False, name="sep_column")(x)   # whole -> split
+    x = L.BatchNormalization(name="column_bn")(x)
+    x = L.SeparableConv2D(8, 3, padding="same", use_bias=False, name="sep_row2")(L.ReLU(name="column_relu")(x))
+    x = L.Add(name="middle_add")([L.BatchNormalization(name="row2_bn")(x), shortcut])   # whole + split
+    x = L.SeparableConv2D(16, 3, padding="same", name="sep_row3")(x)   # split -> whole, with a bias
+    x = L.SeparableConv2D(16, 3, strides=2, depth_multiplier=2, name="sep_strided")(L.ReLU(name="row3_relu")(x))
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="separable_convnet")

@@ -14,13 +14,17 @@ Counted from the placement plan, per device:
                               (once where two layers gather the same tensor);
                             - Dropout's mask and Batch/LayerNormalization's normalised
                               input, each the size of the output;
+                            - a SeparableConv2D's depthwise output, which its pointwise
+                              kernel's gradient reads: whole, but split on channels where
+                              the layer runs on split channels (SplitSeparableConv2D);
                           SplitConv2D keeps its (gathered) input, never a patch matrix;
                           SlicePool2D its input and output, both counted already (its
                           backward re-slices the window taps from the input);
   input                   the input batch (1/M of it under conv_data_fc_model);
   transient               the largest working set of one layer's backward beyond the above
                           (its input gradient, whole where the input is gathered, and its
-                          output gradient at once);
+                          output gradient at once; for a SeparableConv2D, its depthwise
+                          output's gradient too);
   update                  the optimizer's temporaries: the decayed gradient and the new
                           velocity, 2 x the slot shards (1 x the gradients, the scaled gradient,
                           without momentum; with sharded slots, also the new velocity gathered
@@ -54,7 +58,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from tf_multigpu.parallel.placement import BYTES_PER_VALUE, PlacementPlan
+from tf_multigpu.parallel.placement import BYTES_PER_VALUE, CHANNELS, PlacementPlan
 
 # Decoded batches the training input pipeline holds at once (see the docstring).
 INPUT_PIPELINE_BATCHES = 6
@@ -74,7 +78,7 @@ def saved_elems(plan: PlacementPlan, layer) -> int:
         kept += node.in_elems
     if issubclass(node.cls, _SAVES_OUTPUT_SIZED):
         kept += out
-    return kept
+    return kept + _depthwise_elems(plan, layer)
 
 
 def transient_elems(plan: PlacementPlan, layer) -> int:
@@ -85,7 +89,14 @@ def transient_elems(plan: PlacementPlan, layer) -> int:
         return 0
     dx = node.in_elems if layer.gathers else sum(
         int(np.prod(s)) // plan.share(lay) for s, lay in zip(node.in_shapes, layer.in_layouts))
-    return node.out_elems // plan.share(layer.out_layout) + dx
+    return node.out_elems // plan.share(layer.out_layout) + dx + _depthwise_elems(plan, layer)
+
+
+def _depthwise_elems(plan: PlacementPlan, layer) -> int:
+    """A SeparableConv2D's depthwise output (or its gradient) on one device: split where its
+    depthwise part runs on split channels, else whole."""
+    split = layer.impl == "SplitSeparableConv2D" and layer.in_layouts[0] == CHANNELS
+    return layer.node.depthwise_elems // (plan.mesh["model"] if split else 1)
 
 
 def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter: int = 1) -> dict:

@@ -23,7 +23,14 @@ Implementations. A layer runs its stock Keras class, or a split-aware twin from
                    run on CHANNELS without communication (`split_layers_modern.py`); their
                    variables follow the channels (each class's VARIABLE_SPECS)
   SplitSeparableConv2D
-                   depthwise part local, pointwise partial sums all-reduced (output whole)
+                   on split channels: depthwise part local, pointwise partial sums
+                   all-reduced (output whole)
+  FilterSplitSeparableConv2D
+                   filter_split's SeparableConv2D on a whole input (or where a rule splits
+                   its pointwise kernel on filters): the depthwise part whole on every
+                   device, the pointwise kernel split on filters (output split). Together
+                   with the above, separable convolutions alternate column- and row-split,
+                   as Megatron's MLP does: no forward gather between the two
   Split<Merge>     Add, Multiply... of a split and a whole operand: the whole one is sliced
                    (its gradient gathered back)
   stock            BatchNormalization (per-channel statistics over the global batch: its
@@ -38,9 +45,12 @@ Communication per step (what DTensor runs; BUILD_NOTES.md has the lowered graphs
             and of split logits for the loss;
   backward  one all-reduce over `model`, at the input's size, for every layer whose kernel is
             split on its output (its input gradient sums over the split channels), except
-            where nothing upstream has weights (no input gradient is computed);
+            where nothing upstream has weights (no input gradient is computed); for a
+            FilterSplitSeparableConv2D, of its depthwise output's gradient instead (the sum
+            over the split filters), needed by the depthwise kernel's gradient too;
   statistics LayerNormalization on split channels all-reduces two values per position
             forward (mean, variance) and, where an input gradient is computed, two backward;
+            SplitSeparableConv2D all-reduces its pointwise partial sums (the output) forward;
   gradients every trainable variable's gradient is summed over the devices that saw
             different rows: the B groups, times M for layers on ROWS.
 
@@ -109,6 +119,14 @@ class Node:
     def weight(self, name: str) -> str:
         """The path of this layer's variable `name` (kernel, bias, gamma...), or ""."""
         return next((p for p in self.weights if p.rsplit("/", 1)[-1] == name), "")
+
+    @property
+    def depthwise_elems(self) -> int:
+        """A SeparableConv2D's depthwise output per example, [oh, ow, C * depth_multiplier]
+        (what its pointwise kernel reads); 0 for other layers."""
+        if not issubclass(self.cls, L.SeparableConv2D):
+            return 0
+        return int(np.prod(self.out_shape[:-1])) * self.in_shapes[0][-1] * self.config.get("depth_multiplier", 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +331,7 @@ def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model
     else:
         specs = assign_specs(weights, rules if rules else policy_rules(nodes, layout, name), mesh)
     specs = {p: list(s) for p, s in specs.items()}
-    walker = _Walker(nodes, specs, mesh, batch_on_model)
+    walker = _Walker(nodes, specs, mesh, batch_on_model, split_separables=layout == "filter_split" and not rules)
     layers = tuple(walker.place(n) for n in nodes)
     out = layers[-1].out_layout
     if out == ROWS:
@@ -329,8 +347,9 @@ def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model
 class _Walker:
     """Decides each layer's implementation and output layout from its inputs' layouts."""
 
-    def __init__(self, nodes, specs, mesh, batch_on_model):
+    def __init__(self, nodes, specs, mesh, batch_on_model, split_separables=False):
         self.specs, self.mesh, self.batch_on_model = specs, mesh, batch_on_model
+        self.split_separables = split_separables   # filter_split: SeparableConv2D on whole inputs too
         self.m = mesh["model"]
         self.layout, self.upstream_weights = {}, {}
         self.gathered = set()   # split tensors some layer gathered already
@@ -368,7 +387,12 @@ class _Walker:
             self.gathered.update(p for p, _ in new)
             elems = sum(int(np.prod(s)) for _, s in new)
             collectives.append(Collective("all_gather", "model", node.name, "forward", elems))
-        if kernel_split and needs_dx:
+        if impl == "FilterSplitSeparableConv2D":
+            # the depthwise output's gradient sums over the split filters: the input's gradient
+            # and the (whole) depthwise kernel's both need it
+            if needs_dx or node.weight("depthwise_kernel") in node.trainable:
+                collectives.append(Collective("all_reduce", "model", node.name, "backward", node.depthwise_elems))
+        elif kernel_split and needs_dx:
             collectives.append(Collective("all_reduce", "model", node.name, "backward", node.in_elems))
         if merge == CHANNELS:   # whole operands were sliced: their gradients are gathered back
             whole = [s for s, lay in zip(node.in_shapes, ins) if lay == WHOLE]
@@ -407,6 +431,8 @@ class _Walker:
             if self.split(kernel):
                 return "GatherDense", CHANNELS, True, True, ""
             return ("GatherDense", WHOLE, True, False, "") if x == CHANNELS else ("", x, False, False, "")
+        if _is(node, L.SeparableConv2D) and x != ROWS and self._splits_filters(node, x):
+            return "FilterSplitSeparableConv2D", CHANNELS, True, True, ""
         if node.cls in DTENSOR_REFUSES:   # on any layout: DTensor has no layout propagation for their backward
             impl = SPLIT_AWARE[node.cls]
             if x != CHANNELS:
@@ -452,6 +478,25 @@ class _Walker:
         if node.weights:
             return self._unplaceable(node, "has weights and no split-aware version")
         return f"Gather{node.cls.__name__}", WHOLE, True, False, ""   # weightless: gather, then run it
+
+    def _splits_filters(self, node: Node, x: str) -> bool:
+        """Whether a SeparableConv2D splits its pointwise kernel on its filters: where a rule
+        says so, or under filter_split where its input is whole. On split channels filter_split
+        keeps it row-split (SplitSeparableConv2D: no gather before it, its output whole), so
+        the two alternate. Sets the kernel's and bias's specs where it does."""
+        pointwise = node.weight("pointwise_kernel")
+        if self.specs.get(pointwise, [UNSPLIT])[-1] == "model":
+            return True
+        if not (self.split_separables and x == WHOLE) or self.split(pointwise):
+            return False
+        filters = node.weights[pointwise][-1]
+        if filters % self.m:
+            raise UsageError(f"{pointwise} dimension 3 ({filters}) does not divide by the {self.m} devices of mesh "
+                             "axis 'model': change --mesh or the layout")
+        self.specs[pointwise] = [UNSPLIT] * 3 + ["model"]
+        if node.weight("bias"):
+            self.specs[node.weight("bias")] = ["model"]
+        return True
 
     def _grouped(self, node: Node, x: str):
         """A grouped Conv2D follows its input: on split channels each device holds whole

@@ -14,7 +14,8 @@ either split on `model` or whole. What each stock layer needs on channel-split a
   replaced here (DTensor refuses the stock op on split channels):
       AveragePooling2D  -> SliceAvgPool2D        (AvgPoolGrad has no layout propagation)
       DepthwiseConv2D   -> SplitDepthwiseConv2D  (DepthwiseConv2dNativeBackprop* neither)
-      SeparableConv2D   -> SplitSeparableConv2D
+      SeparableConv2D   -> SplitSeparableConv2D   (FilterSplitSeparableConv2D where filter_split
+                                                 splits its pointwise kernel on its filters)
       Conv2D(groups>1)  -> SplitGroupedConv2D    (Conv2D refuses a sharded filter)
   replaced to make a relayout deliberate and named (`relayout/<layer>/activations`):
       Add, Subtract, Multiply, Average, Maximum, Minimum -> Split<Merge> (operands to one
@@ -393,12 +394,32 @@ class SplitSeparableConv2D(_Nhwc, _OnMesh, keras.layers.SeparableConv2D):
     SPLITS_OUTPUT = False   # the pointwise all-reduce leaves the output whole
 
     def call(self, inputs):
-        out = depthwise_conv2d(inputs, self.depthwise_kernel, self.strides, self.padding)
-        with tf.name_scope(f"allreduce/{self.name}/activations"):   # the one `model` collective
-            out = tf.einsum("bhwc,cf->bhwf", out, tf.reshape(self.pointwise_kernel, self.pointwise_kernel.shape[2:]))
-        if self.use_bias:
-            out = out + self.bias
-        return self.activation(out) if self.activation is not None else out
+        return _separable(self, inputs, f"allreduce/{self.name}/activations")   # the one `model` collective
+
+
+class FilterSplitSeparableConv2D(_Nhwc, _OnMesh, keras.layers.SeparableConv2D):
+    """SeparableConv2D with its pointwise kernel split on its filters (filter_split, as a
+    Conv2D's): its input is gathered whole first (named, as SplitConv2D's), the depthwise part
+    runs whole on every device and each device computes its filters, so the output is split on
+    channels. Backward, the depthwise output's gradient sums over the split filters: one
+    all-reduce over `model` of [B, oh, ow, C * depth_multiplier]."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {"pointwise_kernel": "-,-,-,model", "bias": "model"}
+    SPLITS_OUTPUT = True
+
+    def call(self, inputs):
+        return _separable(self, relayout_activations(inputs, self.mesh, False, self.name), f"split/{self.name}")
+
+
+def _separable(layer, x, scope: str):
+    """A SeparableConv2D's output: the depthwise convolution by window sums (DTensor refuses
+    the stock op's backward), then the pointwise contraction as an einsum over channels."""
+    out = depthwise_conv2d(x, layer.depthwise_kernel, layer.strides, layer.padding)
+    with tf.name_scope(scope):
+        out = tf.einsum("bhwc,cf->bhwf", out, tf.reshape(layer.pointwise_kernel, layer.pointwise_kernel.shape[2:]))
+    if layer.use_bias:
+        out = out + layer.bias
+    return layer.activation(out) if layer.activation is not None else out
 
 
 def _kernel_taps(kernel):

@@ -32,7 +32,7 @@ import numpy as np
 
 from tf_multigpu.parallel import memory
 from tf_multigpu.parallel.layouts import BATCH_ON_MODEL
-from tf_multigpu.parallel.placement import BYTES_PER_VALUE, WHOLE, make_plan, model_graph
+from tf_multigpu.parallel.placement import BYTES_PER_VALUE, CHANNELS, WHOLE, make_plan, model_graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,9 +161,14 @@ def placement(cost: ModelCost, layout: str | None, mesh_shape: dict) -> list[Lay
     m = plan.mesh["model"]
     out = []
     for layer, placed in zip(cost.layers, [p for p in plan.layers if p.node.inputs]):
-        split_work = placed.kernel_split or (placed.out_layout != WHOLE and not placed.gathers)
+        split_work = placed.kernel_split or (placed.out_layout != WHOLE and not placed.gathers) or (
+            placed.impl == "SplitSeparableConv2D" and placed.in_layouts[0] == CHANNELS)   # output whole, work split
         share = m if split_work else 1
         fwd, bwd, conv_flops = layer.fwd_flops / share, layer.bwd_flops / share, 0.0
+        if placed.impl == "FilterSplitSeparableConv2D":   # its depthwise part runs whole on every device
+            kh, kw = placed.node.config["kernel_size"]
+            whole = kh * kw / (kh * kw + placed.node.config["filters"])   # the depthwise part's share of the work
+            fwd, bwd = layer.fwd_flops * (whole + (1 - whole) / m), layer.bwd_flops * (whole + (1 - whole) / m)
         if placed.impl == "SplitConv2D":
             fwd = layer.split_fwd_flops / m
             bwd = fwd * (2.0 if placed.needs_input_grad else 1.0)

@@ -11,7 +11,12 @@ With B data-parallel groups and M devices per group (data: B = N, M = 1; model: 
   its gradient is reduce-scattered back to the shards ((M-1)/M again). A layer whose kernel
   is split but whose input is whole (e.g. the first split dense after a replicated flatten)
   sends back a partial input gradient to be all-reduced (2(M-1)/M), except the first layer
-  with weights, which needs no input gradient.
+  with weights, which needs no input gradient. A SeparableConv2D split on its filters
+  (FilterSplitSeparableConv2D) sums its depthwise output's gradient over them instead:
+  reduce-scattered on channels ((M-1)/M) where each device needs its channels only (a split
+  input's gradient, or only the depthwise kernel's), all-reduced where the input's gradient
+  must be whole. A merge of a split and a whole operand slices the whole one locally; its
+  gradient is all-gathered back ((M-1)/M).
 - parameters: 0 (the built-in layouts never move weights).
 """
 
@@ -39,10 +44,19 @@ def minimum_bytes(plan: PlacementPlan, global_batch: int) -> dict:
         return out
     share = (m - 1) / m
     for layer in plan.layers:
+        split_input = any(lay != WHOLE for lay in layer.in_layouts)
+        if layer.impl == "FilterSplitSeparableConv2D":
+            gathered = sum(c.elems_per_example for c in layer.collectives if c.op == "all_gather")
+            if layer.new_gather:   # forward only: the backward's sum is the depthwise output's
+                out["activations"] += share * group_batch * gathered * BYTES_PER_VALUE
+                out["forward_activation_payload"] += group_batch * gathered * BYTES_PER_VALUE
+            reduced = sum(c.elems_per_example for c in layer.collectives if c.op == "all_reduce")
+            whole_dx = not split_input and layer.needs_input_grad
+            out["activations"] += (2 if whole_dx else 1) * share * group_batch * reduced * BYTES_PER_VALUE
+            continue
         if not layer.kernel_split:   # LayerNorm's statistics, SeparableConv2D's pointwise partial sums
             reduced = sum(c.elems_per_example for c in layer.collectives if c.op == "all_reduce")
             out["activations"] += 2 * share * group_batch * reduced * BYTES_PER_VALUE
-        split_input = any(lay != WHOLE for lay in layer.in_layouts)
         gathered = sum(c.elems_per_example for c in layer.collectives if c.op == "all_gather")
         if layer.new_gather:   # all-gather forward, reduce-scatter backward
             nbytes = group_batch * gathered * BYTES_PER_VALUE
@@ -53,6 +67,10 @@ def minimum_bytes(plan: PlacementPlan, global_batch: int) -> dict:
         elif layer.kernel_split and not split_input and layer.needs_input_grad:
             # partial input gradients, all-reduced
             out["activations"] += 2 * share * group_batch * layer.node.in_elems * BYTES_PER_VALUE
+        # a Split<Merge>'s whole operands were sliced: their gradients are gathered back whole
+        gathered_back = sum(c.elems_per_example for c in layer.collectives
+                            if c.op == "all_gather" and c.phase == "backward")
+        out["activations"] += share * group_batch * gathered_back * BYTES_PER_VALUE
     for c in plan.collectives:
         if c.layer == "loss":   # split logits, gathered for the loss's and the accuracy's argmax (forward only)
             nbytes = group_batch * c.elems_per_example * BYTES_PER_VALUE
