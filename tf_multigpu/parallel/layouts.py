@@ -5,7 +5,9 @@ unsplit. Built-in policies select layers by what they ARE (their Keras class), n
 they happen to be called:
 
   filter_split  every Conv2D kernel split on output channels (filters) and every Dense on
-                units, biases with them: the paper's model parallelism.
+                units, biases with them: the paper's model parallelism. SeparableConv2D's
+                pointwise kernels are split too, by the placement plan (`placement.py`): on
+                their filters where the input is whole, on their inputs where it is split.
   fc_only       convolutions replicated, Dense layers split on units. On a B x M mesh the
                 convolutions run data parallel over the B groups only and redundantly on the
                 M devices of each group (each computes its group's whole batch).

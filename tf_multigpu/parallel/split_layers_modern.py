@@ -110,6 +110,24 @@ def _phase_grid(oh: int, ow: int, kernel_size, strides) -> tuple[int, int]:
     return oh - 1 + -(-kh // sh), ow - 1 + -(-kw // sw)
 
 
+def _phase_view(x, kernel_size, strides, padding, pad_value=0.0):
+    """x padded for `padding` and viewed as its stride phases [B, hs, sh, ws, sw, ...] (a
+    reshape), and the output's (oh, ow): tap (i, j) of the window is the unit-stride slice
+    [:, i//sh : i//sh + oh, i%sh, j//sw : j//sw + ow, j%sw] of it."""
+    (kh, kw), (sh, sw) = kernel_size, strides
+    (pt, pb), (pl, pr) = _pads(x, kernel_size, strides, padding)
+    rest = [[0, 0]] * (len(x.shape) - 3)
+    if pt or pb or pl or pr:
+        x = tf.pad(x, [[0, 0], [pt, pb], [pl, pr], *rest], constant_values=pad_value)
+    oh, ow = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
+    hs, ws = _phase_grid(oh, ow, kernel_size, strides)
+    if sh > 1 or sw > 1:
+        x = x[:, :hs * sh, :ws * sw]
+        x = tf.pad(x, [[0, 0], [0, hs * sh - x.shape[1]], [0, ws * sw - x.shape[2]], *rest],
+                   constant_values=pad_value)   # alignment only: no tap reads these cells
+    return tf.reshape(x, [-1, hs, sh, ws, sw, *x.shape[3:]]), oh, ow
+
+
 def _tap_reader(x, kernel_size, strides, padding, pad_value=0.0):
     """A function t -> the t-th tap of `_taps`, so a caller can slice one tap at a time.
 
@@ -118,19 +136,14 @@ def _tap_reader(x, kernel_size, strides, padding, pad_value=0.0):
     stride 2 measured ~4x slower than the copy of a plain slice.
     """
     (kh, kw), (sh, sw) = kernel_size, strides
-    (pt, pb), (pl, pr) = _pads(x, kernel_size, strides, padding)
-    rest = [[0, 0]] * (len(x.shape) - 3)
-    if pt or pb or pl or pr:
-        x = tf.pad(x, [[0, 0], [pt, pb], [pl, pr], *rest], constant_values=pad_value)
-    oh, ow = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
     if sh == sw == 1:
+        (pt, pb), (pl, pr) = _pads(x, kernel_size, strides, padding)
+        if pt or pb or pl or pr:
+            x = tf.pad(x, [[0, 0], [pt, pb], [pl, pr]] + [[0, 0]] * (len(x.shape) - 3), constant_values=pad_value)
+        oh, ow = x.shape[1] - kh + 1, x.shape[2] - kw + 1
         return lambda t: x[:, t // kw:t // kw + oh, t % kw:t % kw + ow]
-    hs, ws = _phase_grid(oh, ow, kernel_size, strides)
-    x = x[:, :hs * sh, :ws * sw]
-    x = tf.pad(x, [[0, 0], [0, hs * sh - x.shape[1]], [0, ws * sw - x.shape[2]], *rest],
-               constant_values=pad_value)   # alignment only: no tap reads these cells
-    rest = list(x.shape[3:])
-    x = tf.reshape(x, [-1, hs, sh, ws, sw, *rest])
+    x, oh, ow = _phase_view(x, kernel_size, strides, padding, pad_value)
+    rest = list(x.shape[5:])
 
     def read(t):
         i, j = divmod(t, kw)
@@ -161,6 +174,7 @@ def window_sum(x, weights, kernel_size, strides, padding):
         taps = _taps(x, kernel_size, strides, padding)
         per_tap = None if ones else [tf.squeeze(t, 0) for t in tf.split(weights, kh * kw, axis=0)]
         y = tf.add_n(taps if ones else [t * wt for t, wt in zip(taps, per_tap)])
+        del taps   # the backward reads x, never the taps (see _tap_weight_grads)
 
         def grad(dy):
             oh, ow, rest = dy.shape[1], dy.shape[2], list(dy.shape[3:])
@@ -178,10 +192,7 @@ def window_sum(x, weights, kernel_size, strides, padding):
             dx = tf.add_n([f * wt for f, wt in zip(flipped, per_tap)])
             if dx.shape.rank > x.shape.rank or dx.shape[-1] != x.shape[-1]:   # a multiplier broadcast x
                 dx = tf.reduce_sum(dx, axis=-1, keepdims=True)
-            # [B, 1, ...] per tap. expand_dims, not [:, None]: that strided slice segfaults
-            # DTensor's SPMD expansion (TF 2.21) on a channel-split tensor.
-            partial = [tf.expand_dims(tf.reduce_sum(t * dy, axis=[1, 2]), 1) for t in taps]
-            return dx, tf.reduce_sum(tf.concat(partial, axis=1), axis=0)
+            return dx, _tap_weight_grads(x, dy, kernel_size, strides, padding)
 
         return y, grad
 
@@ -194,6 +205,32 @@ def window_sum(x, weights, kernel_size, strides, padding):
         return y, lambda dy: grad(dy)[0]
 
     return pool(x)
+
+
+def _tap_weight_grads(x, dy, kernel_size, strides, padding):
+    """[kh*kw, ...]: for each tap t, sum over the batch and the output positions of
+    tap_t(x) * dy -- the gradient of window_sum's per-tap weights.
+
+    Computed from x's stride phases times dy shifted into the phase grid (a pad of dy per
+    tap), not from the taps: slices of x alone would depend on x only, so TensorFlow's
+    executor may run them as soon as x exists, in the forward, and hold kh*kw output-sized
+    tensors per layer until the backward (measured: +9 outputs per depthwise 3x3 layer in the
+    allocator's peak, as if the forward's taps were kept). Every tensor here depends on dy.
+    """
+    (kh, kw), (sh, sw) = kernel_size, strides
+    phases, oh, ow = _phase_view(x, kernel_size, strides, padding)
+    hs, ws, rest = phases.shape[1], phases.shape[3], list(phases.shape[5:])
+    dy_rest = [[0, 0]] * (len(dy.shape) - 3)
+    partial = []
+    for t in range(kh * kw):
+        i, j = divmod(t, kw)
+        phase = tf.reshape(tf.slice(phases, [0, 0, i % sh, 0, j % sw] + [0] * len(rest), [-1, hs, 1, ws, 1, *rest]),
+                           [-1, hs, ws, *rest])
+        shifted = tf.pad(dy, [[0, 0], [i // sh, hs - oh - i // sh], [j // sw, ws - ow - j // sw], *dy_rest])
+        # [B, 1, ...] per tap. expand_dims, not [:, None]: that strided slice segfaults
+        # DTensor's SPMD expansion (TF 2.21) on a channel-split tensor.
+        partial.append(tf.expand_dims(tf.reduce_sum(phase * shifted, axis=[1, 2]), 1))
+    return tf.reduce_sum(tf.concat(partial, axis=1), axis=0)
 
 
 def window_max(x, pool_size, strides, padding):
