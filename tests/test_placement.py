@@ -299,6 +299,8 @@ def test_a_users_layer_of_two_inputs_gathers_whichever_is_split(applications_idi
         assert [plan[p].out_layout for p in placed.node.inputs].count(CHANNELS) == 1, name
         gathered = sum(c.elems_per_example for c in placed.collectives if c.op == "all_gather")
         assert gathered == plan[split_input].node.out_elems, name
+        # it keeps its gathered (new, whole) input for the backward, not the whole one again
+        assert saved_elems(plan, placed) == placed.node.out_elems + gathered, name
     # a whole operand added to a split one is sliced, and the merge knows which operand was whole
     assert plan["merge"].impl == "SplitAdd" and plan["merge"].in_layouts == (WHOLE, CHANNELS)
 
@@ -365,12 +367,13 @@ def test_bare_ops_between_layers_are_placed_and_refused_on_channels_split_unlike
     inputs = keras.Input((16, 16, 3))
     x = L.Conv2D(8, 3, name="c1")(inputs)
     x = keras.ops.relu(x + 3.0) * (1 / 6)   # a hard-sigmoid of bare ops
+    x = keras.ops.clip(x * np.float32(1.5), 0.0, 6.0)   # a numpy scalar (np.float64 is a Python float)
     x = L.Conv2D(8, 3, name="c2")(x)
     model = keras.Model(inputs, L.Dense(10, name="logits")(L.GlobalAveragePooling2D()(x)), name="m")
     plan = make_plan(model, "", [], {"batch": 2, "model": 1})
     c2 = plan["c2"].node
     bare = [layer.node for layer in plan.layers if not issubclass(layer.node.cls, keras.layers.Layer)]
-    assert len(bare) == 3 and c2.inputs == (bare[-1].name,) and bare[0].inputs == ("c1",)
+    assert len(bare) == 5 and c2.inputs == (bare[-1].name,) and bare[0].inputs == ("c1",)
     assert all(n.out_shape == (14, 14, 8) and not n.weights for n in bare)
     assert all(saved_elems(plan, plan[n.name]) == 14 * 14 * 8 for n in bare)   # counted as layers' outputs
     split = make_plan(model, "filter_split", [], {"batch": 1, "model": 2})

@@ -1,6 +1,7 @@
 """Model factories a user might bring with --model=tests.user_models:NAME (used by tests)."""
 
 import keras
+import numpy as np
 
 from tf_multigpu.compat import per_channel_layers
 
@@ -174,7 +175,7 @@ def applications_idioms(input_shape, num_classes, **_):
     x = L.ReLU(name="stem_relu")(L.LayerNormalization(epsilon=1e-6, name="stem_ln")(x))
     layer_scale = per_channel_layers()[0](0.5, 8, name="layer_scale")   # its weight has no name
     x = x + layer_scale(L.DepthwiseConv2D(3, padding="same", name="depthwise")(x))   # a bare add
-    x = x * keras.ops.relu6(x + 3.0) * (1 / 6)   # MobileNetV3's hard-swish, bare ops
+    x = x * keras.ops.relu6(x + 3.0) * np.float32(1 / 6)   # MobileNetV3's hard-swish, bare ops (a numpy scalar)
     shortcut = L.BatchNormalization(name="shortcut_bn")(L.Conv2D(16, 1, strides=2, use_bias=False,
                                                                  name="shortcut")(x))
     y = L.SeparableConv2D(16, 3, padding="same", use_bias=False, name="separable")(x)   # output whole

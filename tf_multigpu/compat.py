@@ -53,12 +53,14 @@ _ELEMENTWISE_OPS = {
 
 def elementwise_op(op) -> bool:
     """Whether a bare op of a functional graph acts on each value alone: one of keras.ops'
-    elementwise operations (`x + 3.0`, `keras.ops.relu6`), called on tensors and Python
-    numbers only (an array constant would be whole beside a channel-split tensor).
+    elementwise operations (`x + 3.0`, `keras.ops.relu6`), called on tensors and scalars only:
+    Python or numpy numbers (`x * np.float32(0.5)`); an array constant would be whole beside a
+    channel-split tensor.
 
     keras.ops are public as functions only; the Operation classes a graph holds, and the
     arguments of their call (its inbound node), are private.
     """
+    import numpy as np
     from keras import KerasTensor
     from keras.src.ops import nn, numpy
     classes = tuple(getattr(numpy, n) for n in _ELEMENTWISE_OPS["numpy"]) + tuple(
@@ -66,7 +68,8 @@ def elementwise_op(op) -> bool:
     if type(op) not in classes:
         return False
     arguments = op._inbound_nodes[0].arguments
-    return all(isinstance(a, (KerasTensor, int, float)) for a in (*arguments.args, *arguments.kwargs.values()))
+    scalar = (int, float, np.number, np.bool_)   # bool is an int, np.float64 a float
+    return all(isinstance(a, (KerasTensor, *scalar)) for a in (*arguments.args, *arguments.kwargs.values()))
 
 
 def per_channel_layers() -> tuple:
