@@ -2,6 +2,7 @@
 
     python -m tests.parity_worker STRATEGY MESH LAYOUT[,LAYOUT...] [STEPS] [dtype=D] [xla=1]
                                   [model=FACTORY image_size=S batch=B] [float64=1] [shard=1]
+                                  [overrides=REGEX=SPEC;...]
                                   [-- STRATEGY MESH LAYOUT... (another job on the same devices)]
 
 With dtype=D both runs compute in D; with xla=1 the parallel run is XLA-compiled and the
@@ -54,9 +55,11 @@ def main(*argv):
 
 def run_job(strategy, mesh, layouts, steps="1", *options):
     """One job's result (a dict by layout, and the extras its options ask for)."""
-    options = dict(option.split("=") for option in options)
+    options = dict(option.split("=", 1) for option in options)
     dtype, xla = options.get("dtype", "float32"), options.get("xla") == "1"
     shard = {"shard_optimizer_state": True} if options.get("shard") == "1" else {}
+    if "overrides" in options:   # --layout_overrides (REGEX=SPEC;...), on the parallel run only
+        shard["layout_overrides"] = options["overrides"]
     model = options.get("model", "small_convnet")
     if options.get("float64") == "1":   # both runs: rounding ~1e-16, so only a real difference shows
         import keras

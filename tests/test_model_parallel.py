@@ -179,6 +179,15 @@ def test_gather_lowering_is_chosen_by_the_mesh_and_the_user_wins(monkeypatch):
     (["--strategy=model", "--cpu_devices=3", "--batch_size=63"],
      "conv1/kernel dimension 3 (32) does not divide by the 3 devices"),
     (["--strategy=data", "--mesh=batch:2,model:1"], "--mesh applies to --strategy=model or hybrid"),
+    (["--strategy=model", "--cpu_devices=3", "--batch_size=63"],
+     "or keep it whole: --layout_overrides='small_convnet/conv1/kernel=-,-,-,-'"),
+    (["--strategy=model", "--layout_overrides=.*conv9/kernel=-,-,-,-"],
+     "--layout_overrides rule(s) ['.*conv9/kernel'] match no variable"),
+    (["--strategy=model", "--layout_overrides=.*conv1/kernel"], "--layout_overrides item '.*conv1/kernel' is not"),
+    (["--strategy=model", "--layout_rules=.*conv1/kernel=-,-,-,model", "--layout_overrides=.*conv2/kernel=-,-,-,-"],
+     "--layout_rules replaces --layout's rules and --layout_overrides amends them: give one"),
+    (["--strategy=data", "--layout_overrides=.*conv1/kernel=-,-,-,-"],
+     "--layout_overrides applies to --strategy=model or hybrid, not data"),
 ])
 def test_bad_meshes_and_layouts_exit_2(tmp_path, flags, needle):
     done = run_cli(f"--run_dir={tmp_path / 'run'}", *flags)

@@ -185,3 +185,14 @@ def test_keras_applications_step_equals_one_device(model, strategy, mesh, layout
         assert result["same_initial_weights"], layout
         assert result["statistics_difference"] <= FLOAT64_TOLERANCE, (layout, result)
         assert result["max_update_difference"] <= FLOAT64_TOLERANCE, (layout, result)
+
+
+def test_a_layer_kept_whole_by_layout_overrides_steps_like_one_device():
+    """--layout_overrides keeps a 5-filter stem whole on model 1x2 (filter_split refuses it)
+    while the policy splits the rest, a separable convolution on filters included: one
+    float64 step equals one device's."""
+    results = parity_result("model", "batch:1,model:2", "filter_split", 1, "model=tests.user_models:odd_stem_convnet",
+                            "image_size=16", "batch=8", "float64=1", "overrides=.*stem/kernel=-,-,-,-")
+    assert results.pop("noise_floor") < 1e-9
+    assert results["filter_split"]["same_initial_weights"]
+    assert results["filter_split"]["max_update_difference"] <= FLOAT64_TOLERANCE, results

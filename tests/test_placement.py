@@ -13,6 +13,7 @@ import pytest
 from tests import user_models
 from tests.conftest import REPO
 from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.layouts import parse_rules
 from tf_multigpu.parallel.memory import bytes_per_device, saved_elems
 from tf_multigpu.parallel.placement import CHANNELS, WHOLE, make_plan
 
@@ -166,9 +167,35 @@ def test_xception_holds_half_its_parameters_per_device_on_filter_split():
         assert impls.count("FilterSplitSeparableConv2D") == 13 and impls.count("SplitSeparableConv2D") == 21
 
 
+def test_layout_overrides_amend_the_policy_where_a_layer_does_not_divide():
+    """A layer whose filters do not divide by the model axis (NASNetMobile's 11-filter stem)
+    used to leave a choice between another mesh and rules for every variable (--layout_rules
+    replaces the policy). The refusal now names the override that keeps that layer whole;
+    with it the policy places the rest, and a separable convolution the override names is not
+    split on filters by the policy."""
+    model = user_models.odd_stem_convnet((16, 16, 3), 10)
+    mesh = {"batch": 1, "model": 2}
+    with pytest.raises(UsageError, match=r"^stem/kernel dimension 3 \(5\) does not divide by the 2 devices of mesh "
+                                         r"axis 'model': change --mesh or the layout, or keep it whole: "
+                                         r"--layout_overrides='stem/kernel=-,-,-,-'$"):
+        make_plan(model, "filter_split", [], mesh)
+    plan = make_plan(model, "filter_split", [], mesh, overrides=parse_rules(".*stem/kernel=-,-,-,-"))
+    assert plan.layout == "filter_split"
+    assert plan["stem"].impl == "" and plan["stem"].out_layout == WHOLE
+    assert plan.specs["stem/kernel"] == ["-"] * 4 and plan.specs["stem/bias"] == ["-"]   # the bias with its kernel
+    assert plan["sep"].impl == "FilterSplitSeparableConv2D" and plan["conv"].impl == "SplitConv2D"
+    kept = make_plan(model, "filter_split", [], mesh,
+                     overrides=parse_rules(".*stem/kernel=-,-,-,-;.*sep/pointwise_kernel=-,-,-,-"))
+    assert kept["sep"].impl == "SplitSeparableConv2D" and kept["sep"].out_layout == WHOLE   # replicated
+    assert kept.specs["sep/pointwise_kernel"] == ["-"] * 4 and not kept["sep"].collectives
+    with pytest.raises(UsageError, match=r"^--layout_overrides rule\(s\) \['.\*stem9/kernel'\] match no variable"):
+        make_plan(model, "filter_split", [], mesh, overrides=parse_rules(".*stem/kernel=-,-,-,-;.*stem9/kernel=-"))
+    with pytest.raises(UsageError, match=r"^--layout_overrides rule '.\*stem/kernel'='-' has rank 1"):
+        make_plan(model, "filter_split", [], mesh, overrides=parse_rules(".*stem/kernel=-"))
+
+
 def test_user_layout_rules_replace_the_policy():
     """--layout_rules: only what the rules name is split, and the plan follows from it."""
-    from tf_multigpu.parallel.layouts import parse_rules
     model = user_models.renamed_convnet((16, 16, 3), 10)
     rules = parse_rules(".*iota/kernel=-,model;.*iota/bias=model")
     plan = make_plan(model, "filter_split", rules, {"batch": 1, "model": 2})

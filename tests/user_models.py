@@ -246,3 +246,16 @@ def separable_convnet(input_shape, num_classes, **_):
     x = L.SeparableConv2D(16, 3, strides=2, depth_multiplier=2, name="sep_strided")(L.ReLU(name="row3_relu")(x))
     x = L.GlobalAveragePooling2D(name="gap")(x)
     return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="separable_convnet")
+
+
+def odd_stem_convnet(input_shape, num_classes, **_):
+    """A stem of 5 filters, which no model axis of 2 or 4 divides (NASNetMobile's has 11):
+    filter_split refuses it; --layout_overrides='.*stem/kernel=-,-,-,-' keeps it whole and
+    lets the policy split the rest."""
+    L = keras.layers
+    x = inputs = keras.Input(input_shape)
+    x = L.ReLU(name="stem_relu")(L.Conv2D(5, 3, padding="same", name="stem")(x))
+    x = L.SeparableConv2D(8, 3, padding="same", name="sep")(x)   # whole input: split on filters
+    x = L.Conv2D(8, 3, padding="same", name="conv")(L.BatchNormalization(name="sep_bn")(x))
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="odd_stem_convnet")

@@ -2,7 +2,8 @@
 
 Everything below the entry point reads a Config, never flags. A Config holds its flags' values
 (what config.json records) and, parsed once when it is built, the values a run uses:
-`mesh_shape` (--mesh), `layout_rule_list` (--layout_rules) and `profile_range`
+`mesh_shape` (--mesh), `layout_rule_list` (--layout_rules), `layout_override_list`
+(--layout_overrides) and `profile_range`
 (--profile_steps); nothing downstream parses those strings again. The rules that need no
 devices are `Config.validate`'s; the rules that need the devices or the cluster are
 `plan_checks.check_plan`'s, which `build_run` applies once the devices are known.
@@ -60,6 +61,7 @@ class Config:
     mesh: str = ""                # batch:B,model:M; "" = derived from --strategy and the devices
     layout: str = "filter_split"
     layout_rules: str = ""        # REGEX=SPEC;... replaces --layout's built-in rules
+    layout_overrides: str = ""    # REGEX=SPEC;... on top of --layout: the variables they match
     dataset: str = "digits"
     data_dir: str | None = None
     image_size: int = 0           # 0: the data set's own size
@@ -95,11 +97,13 @@ class Config:
     # Parsed from the flags above when the config is built (a bad value is a UsageError then).
     mesh_shape: dict | None = dataclasses.field(init=False, repr=False, compare=False)   # --mesh; None: derived
     layout_rule_list: tuple = dataclasses.field(init=False, repr=False, compare=False)   # --layout_rules
+    layout_override_list: tuple = dataclasses.field(init=False, repr=False, compare=False)   # --layout_overrides
     profile_range: tuple | None = dataclasses.field(init=False, repr=False, compare=False)  # --profile_steps (A, B)
 
     def __post_init__(self):
         parsed = {"mesh_shape": parse_mesh(self.mesh) if self.mesh else None,
                   "layout_rule_list": tuple(parse_rules(self.layout_rules)),
+                  "layout_override_list": tuple(parse_rules(self.layout_overrides, "--layout_overrides")),
                   "profile_range": parse_profile_steps(self.profile_steps) if self.profile_steps else None}
         for name, value in parsed.items():
             object.__setattr__(self, name, value)   # frozen: set once, here
@@ -153,6 +157,11 @@ class Config:
             raise UsageError(f"--mesh applies to --strategy=model or hybrid, not {self.strategy}: drop --mesh")
         if self.layout_rules and self.strategy not in ("model", "hybrid"):
             raise UsageError(f"--layout_rules applies to --strategy=model or hybrid, not {self.strategy}")
+        if self.layout_overrides and self.strategy not in ("model", "hybrid"):
+            raise UsageError(f"--layout_overrides applies to --strategy=model or hybrid, not {self.strategy}")
+        if self.layout_overrides and self.layout_rules:
+            raise UsageError("--layout_rules replaces --layout's rules and --layout_overrides amends them: give one "
+                             "(your overrides as the first --layout_rules, or drop --layout_rules)")
         if self.layout not in LAYOUTS:
             raise UsageError(f"unknown --layout={self.layout!r}: choose one of {', '.join(LAYOUTS)}, "
                              "or give --layout_rules='REGEX=SPEC;...'")

@@ -41,6 +41,9 @@ flags.DEFINE_string("layout_rules", _D.layout_rules, "Your own layout: 'REGEX=SP
                     "variable paths, SPEC one of -,batch,model per dimension, e.g. "
                     "'.*conv2/kernel=-,-,-,model;.*fc6/kernel=-,model'. Replaces --layout's rules "
                     "(--layout=conv_data_fc_model still splits the input batch over the model axis).")
+flags.DEFINE_string("layout_overrides", _D.layout_overrides, "Amend --layout: 'REGEX=SPEC;...' over "
+                    "Keras variable paths, for the variables they match; --layout places the rest. "
+                    "E.g. '.*conv1/kernel=-,-,-,-;.*conv1/bias=-' keeps conv1 whole.")
 flags.DEFINE_integer("num_devices", _D.num_devices, "Use only the first N devices (0: all found).")
 flags.DEFINE_integer("cpu_devices", _D.cpu_devices,
                      "Split the CPU into N logical devices and use them instead of GPUs. For testing "

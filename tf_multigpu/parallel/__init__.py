@@ -22,12 +22,14 @@ _LAZY = {   # name -> the module that defines it (imports TensorFlow)
 
 def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str = "auto",
                      mesh_shape: dict | None = None, layout: str = "filter_split", layout_rules=(),
-                     runtime=None, batchnorm: str = "sync", shard_optimizer_state: bool = False):
+                     runtime=None, batchnorm: str = "sync", shard_optimizer_state: bool = False,
+                     layout_overrides=()):
     """The parallelism for a --strategy value over `devices`, or, given a started multi-worker
     `runtime` (parallel/cluster.py), over every device of every worker.
 
     `mesh_shape` is --mesh parsed (None: the strategy's default mesh, `mesh_spec.mesh_for`) and
-    `layout_rules` --layout_rules parsed (`layouts.parse_rules`); the config holds both, and
+    `layout_rules` --layout_rules parsed (`layouts.parse_rules`), `layout_overrides` likewise
+    --layout_overrides; the config holds them, and
     `config/plan_checks.py: check_plan` has checked them against the devices. `batchnorm` (sync or
     per_replica) is for data parallelism: a DTensor mesh computes BatchNormalization's
     statistics over the global batch by itself. `shard_optimizer_state`: a hybrid mesh shards
@@ -44,7 +46,7 @@ def make_parallelism(strategy: str, devices, global_batch: int, all_reduce: str 
         devices, local = runtime.all_devices, runtime.local_devices
     return DTensorParallelism(strategy, devices, mesh_for(strategy, mesh_shape, len(devices)), layout,
                               layout_rules, global_batch, local_devices=local, batch_on_model=layout in BATCH_ON_MODEL,
-                              shard_slots=shard_optimizer_state)
+                              shard_slots=shard_optimizer_state, overrides=layout_overrides)
 
 
 def __getattr__(name: str):

@@ -91,7 +91,7 @@ class DTensorParallelism:
     The mesh shape, the layout and the global batch are checked before (config/plan_checks.py)."""
 
     def __init__(self, name: str, devices, mesh_shape: dict, layout: str, user_rules, global_batch: int,
-                 local_devices=None, batch_on_model: bool = False, shard_slots: bool = False):
+                 local_devices=None, batch_on_model: bool = False, shard_slots: bool = False, overrides=()):
         # DTensor merges a step's independent all-reduces into one flat buffer (its
         # AllReduceCombineOptimization, read from the environment when a step is lowered). On a
         # mesh with a `batch` axis that is every gradient at once, assembled in a zero-filled
@@ -104,7 +104,7 @@ class DTensorParallelism:
         self.name = name
         self.devices = list(devices)
         self.mesh_shape = mesh_shape
-        self.layout_name, self.user_rules = layout, list(user_rules)
+        self.layout_name, self.user_rules, self.overrides = layout, list(user_rules), list(overrides)
         self.global_batch = global_batch
         self.num_replicas = mesh_shape["batch"]
         dims = [("batch", mesh_shape["batch"]), ("model", mesh_shape["model"])]
@@ -241,7 +241,7 @@ class DTensorParallelism:
         with the same initial values."""
         plain = build()
         self.plan = make_plan(plain, self.layout_name, self.user_rules, self.mesh_shape, self.batch_on_model,
-                              shard_slots=self.shard_slots)
+                              shard_slots=self.shard_slots, overrides=self.overrides)
         try:
             with self.scope():
                 model = keras.models.clone_model(plain, clone_function=self._converter(), recursive=True)

@@ -27,7 +27,10 @@ Variables of layers that act per channel (BatchNormalization, depthwise and grou
 convolutions) follow the layout of their input: the placement plan (`placement.py`) splits
 them where their input's channels are split. User rules (`--layout_rules`, path regexes) name
 variable paths such as `alexnet/conv2/kernel`; the first matching rule wins; variables no rule
-matches are replicated. A rule that matches no variable, a spec of the wrong rank, or a split
+matches are replicated. Overrides (`--layout_overrides`, the same syntax) amend a built-in
+policy instead: the variables they match are placed by them, the rest by the policy (e.g.
+one layer whose filters do not divide kept whole); variables that follow a split input
+still follow it. A rule that matches no variable, a spec of the wrong rank, or a split
 that does not divide its dimension is an error, never a silent no-op.
 """
 
@@ -50,28 +53,35 @@ POLICIES = tuple(SPLIT_TYPES)
 BATCH_ON_MODEL = ("conv_data_fc_model",)   # layouts that shard the input batch over `model`
 
 
-def parse_rules(text: str) -> list[tuple[str, str]]:
+def parse_rules(text: str, flag: str = "--layout_rules") -> list[tuple[str, str]]:
     """`REGEX=SPEC;REGEX=SPEC` (e.g. `.*conv1/kernel=-,-,-,model`) -> rules (the config parses
-    --layout_rules with it when it is built)."""
+    --layout_rules and --layout_overrides, named by `flag` in errors, with it when it is built)."""
     rules = []
     for item in filter(None, (part.strip() for part in text.split(";"))):
         regex, sep, spec = item.rpartition("=")
         if not sep or not regex:
-            raise UsageError(f"--layout_rules item {item!r} is not REGEX=SPEC, e.g. '.*conv1/kernel=-,-,-,model'")
+            raise UsageError(f"{flag} item {item!r} is not REGEX=SPEC, e.g. '.*conv1/kernel=-,-,-,model'")
         try:
             re.compile(regex)
         except re.error as e:
-            raise UsageError(f"--layout_rules regex {regex!r} is invalid ({e}): give a Python regular expression "
+            raise UsageError(f"{flag} regex {regex!r} is invalid ({e}): give a Python regular expression "
                              "over variable paths, e.g. '.*conv1/kernel=-,-,-,model'") from None
         for axis in spec.split(","):
             if axis not in (UNSPLIT, *AXES):
-                raise UsageError(f"--layout_rules spec {spec!r}: each dimension is '-', 'batch' or 'model'")
+                raise UsageError(f"{flag} spec {spec!r}: each dimension is '-', 'batch' or 'model'")
         rules.append((regex, spec))
     return rules
 
 
-def assign_specs(variables: dict, rules, mesh_shape: dict) -> dict:
-    """{path: shape} -> {path: [axis or '-' per dim]}; checks every rule and every split."""
+def keep_whole(path: str, rank: int) -> str:
+    """The fix that keeps one variable (and so its layer) whole under a built-in layout."""
+    return f"keep it whole: --layout_overrides='{re.escape(path)}={','.join([UNSPLIT] * rank)}'"
+
+
+def assign_specs(variables: dict, rules, mesh_shape: dict, hint_whole: bool = False,
+                 flag: str = "layout rule") -> dict:
+    """{path: shape} -> {path: [axis or '-' per dim]}; checks every rule and every split.
+    `hint_whole`: a split that does not divide names `keep_whole` as a fix (built-in rules)."""
     used, specs = set(), {}
     for path, shape in variables.items():
         spec = [UNSPLIT] * len(shape)
@@ -81,18 +91,19 @@ def assign_specs(variables: dict, rules, mesh_shape: dict) -> dict:
                 optional = text.endswith("?")
                 spec = text.replace("?", "").split(",")
                 if len(spec) != len(shape):
-                    raise UsageError(f"layout rule {regex!r}={text!r} has rank {len(spec)} but {path} "
+                    raise UsageError(f"{flag} {regex!r}={text!r} has rank {len(spec)} but {path} "
                                      f"has shape {list(shape)}: give one entry per dimension")
                 if optional and any(a != UNSPLIT and n % mesh_shape[a] for n, a in zip(shape, spec)):
                     spec = [UNSPLIT] * len(shape)   # built-in "split if it divides" rule
                 break
         for dim, (size, axis) in enumerate(zip(shape, spec)):
             if axis != UNSPLIT and size % mesh_shape[axis]:
+                fix = "change --mesh or the layout" + (f", or {keep_whole(path, len(shape))}" if hint_whole else "")
                 raise UsageError(f"{path} dimension {dim} ({size}) does not divide by the {mesh_shape[axis]} "
-                                 f"devices of mesh axis '{axis}': change --mesh or the layout")
+                                 f"devices of mesh axis '{axis}': {fix}")
         specs[path] = spec
     unused = [regex for i, (regex, text) in enumerate(rules) if i not in used and not text.endswith("?")]
     if unused:
-        raise UsageError(f"layout rule(s) {unused} match no variable of the model (variables: "
+        raise UsageError(f"{flag}(s) {unused} match no variable of the model (variables: "
                          f"{', '.join(list(variables)[:6])}...): fix the regex")
     return specs

@@ -76,7 +76,7 @@ import numpy as np
 
 from tf_multigpu.compat import elementwise_op, inbound_layer_names, op_call_shapes, per_channel_layers, producer_name
 from tf_multigpu.errors import UsageError
-from tf_multigpu.parallel.layouts import UNSPLIT, assign_specs
+from tf_multigpu.parallel.layouts import UNSPLIT, assign_specs, keep_whole
 from tf_multigpu.parallel.split_layers_modern import MERGES, SPLIT_AWARE, STOCK_VARIABLE_SPECS, SplitGroupedConv2D
 
 WHOLE, CHANNELS, ROWS = "whole", "channels", "rows"
@@ -291,11 +291,12 @@ def _classifier(nodes: tuple) -> str:
     return node.name if node.cls is L.Dense else ""
 
 
-def policy_rules(nodes: tuple, policy: str, model_name: str) -> list:
+def policy_rules(nodes: tuple, policy: str, model_name: str, skip=frozenset()) -> list:
     """A built-in policy as exact-path rules, chosen by what each layer is (never by its name):
     filter_split splits every Conv2D on output channels (grouped ones by whole groups) and every
     Dense on units; fc_only and conv_data_fc_model every Dense. The classifier is split where
-    its class count divides the model axis (rules ending in "?") and replicated where not."""
+    its class count divides the model axis (rules ending in "?") and replicated where not.
+    Layers whose kernel is in `skip` (placed by --layout_overrides) get no rule."""
     from tf_multigpu.parallel.layouts import SPLIT_TYPES
     types = tuple(getattr(L, t) for t in SPLIT_TYPES[policy])
     classifier = _classifier(nodes)
@@ -304,21 +305,25 @@ def policy_rules(nodes: tuple, policy: str, model_name: str) -> list:
         if not _is(node, *types) or node.config.get("groups", 1) > 1:   # grouped convs follow their input
             continue
         kernel, bias = node.weight("kernel"), node.weight("bias")
+        if kernel in skip:
+            continue
         optional = "?" if node.name == classifier else ""
         rank = len(node.weights[kernel])
         rules.append((re.escape(kernel), ",".join([UNSPLIT] * (rank - 1) + ["model"]) + optional))
         if bias:
             rules.append((re.escape(bias), "model" + optional))
-    if not rules:
+    if not rules and not skip:
         raise UsageError(f"--layout={policy} splits {' and '.join(SPLIT_TYPES[policy])} layers and {model_name} has "
                          f"none: use --layout=filter_split, or name variables with --layout_rules")
     return rules
 
 
 def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model: bool = False,
-              nodes: tuple | None = None, shard_slots: bool = False) -> PlacementPlan:
+              nodes: tuple | None = None, shard_slots: bool = False, overrides=()) -> PlacementPlan:
     """The placement of `model` (or of its graph `nodes`) under a built-in `layout` (or user
     `rules`, [(path regex, spec)]) on `mesh`; layout "" is a replicated model (single / data).
+    `overrides` (rules too) amend the layout: the variables they match are theirs, the layout
+    places the rest (a layer whose kernel they match gets no rule of the layout's at all).
     `shard_slots`: the optimizer's slots are sharded over `batch` too (`PlacementPlan.slot_spec`).
 
     Raises UsageError, naming the layer and the fix, where the model cannot be placed.
@@ -326,12 +331,18 @@ def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model
     nodes = nodes if nodes is not None else model_graph(model)
     name = model.name if model is not None else "the model"
     weights = {p: s for n in nodes for p, s in n.weights.items()}
+    overridden = {p for p in weights if any(re.fullmatch(regex, p) for regex, _ in overrides)}
     if not layout and not rules:
         specs = {}
+    elif rules:
+        specs = assign_specs(weights, rules, mesh)
     else:
-        specs = assign_specs(weights, rules if rules else policy_rules(nodes, layout, name), mesh)
+        rest = {p: s for p, s in weights.items() if p not in overridden}
+        specs = assign_specs(rest, policy_rules(nodes, layout, name, skip=overridden), mesh, hint_whole=True)
+        specs.update(assign_specs({p: weights[p] for p in overridden}, overrides, mesh, flag="--layout_overrides rule"))
     specs = {p: list(s) for p, s in specs.items()}
-    walker = _Walker(nodes, specs, mesh, batch_on_model, split_separables=layout == "filter_split" and not rules)
+    walker = _Walker(nodes, specs, mesh, batch_on_model, split_separables=layout == "filter_split" and not rules,
+                     fixed=overridden)
     layers = tuple(walker.place(n) for n in nodes)
     out = layers[-1].out_layout
     if out == ROWS:
@@ -347,9 +358,10 @@ def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model
 class _Walker:
     """Decides each layer's implementation and output layout from its inputs' layouts."""
 
-    def __init__(self, nodes, specs, mesh, batch_on_model, split_separables=False):
+    def __init__(self, nodes, specs, mesh, batch_on_model, split_separables=False, fixed=frozenset()):
         self.specs, self.mesh, self.batch_on_model = specs, mesh, batch_on_model
         self.split_separables = split_separables   # filter_split: SeparableConv2D on whole inputs too
+        self.fixed = fixed   # variables --layout_overrides placed: the policy does not split them
         self.m = mesh["model"]
         self.layout, self.upstream_weights = {}, {}
         self.gathered = set()   # split tensors some layer gathered already
@@ -487,12 +499,12 @@ class _Walker:
         pointwise = node.weight("pointwise_kernel")
         if self.specs.get(pointwise, [UNSPLIT])[-1] == "model":
             return True
-        if not (self.split_separables and x == WHOLE) or self.split(pointwise):
+        if not (self.split_separables and x == WHOLE) or self.split(pointwise) or pointwise in self.fixed:
             return False
         filters = node.weights[pointwise][-1]
         if filters % self.m:
             raise UsageError(f"{pointwise} dimension 3 ({filters}) does not divide by the {self.m} devices of mesh "
-                             "axis 'model': change --mesh or the layout")
+                             f"axis 'model': change --mesh or the layout, or {keep_whole(pointwise, 4)}")
         self.specs[pointwise] = [UNSPLIT] * 3 + ["model"]
         if node.weight("bias"):
             self.specs[node.weight("bias")] = ["model"]

@@ -102,7 +102,7 @@ def build_run(cfg: Config, devices: list[str], runtime=None, *, source: ImageSou
     source = load_run_source(cfg) if source is None else source
     par = make_parallelism(cfg.strategy, devices, cfg.batch_size, cfg.all_reduce, cfg.mesh_shape,
                            cfg.layout, cfg.layout_rule_list, runtime=runtime, batchnorm=cfg.batchnorm,
-                           shard_optimizer_state=cfg.shard_optimizer_state)
+                           shard_optimizer_state=cfg.shard_optimizer_state, layout_overrides=cfg.layout_override_list)
     role = WorkerRole(runtime, shared_checkpoints=cfg.strategy in ("model", "hybrid"))
     per_epoch = steps_per_epoch(source, cfg.batch_size)
     paths = check_previous_run(cfg) if cfg.run_dir else None
