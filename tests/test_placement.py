@@ -188,6 +188,8 @@ def test_layout_overrides_amend_the_policy_where_a_layer_does_not_divide():
                      overrides=parse_rules(".*stem/kernel=-,-,-,-;.*sep/pointwise_kernel=-,-,-,-"))
     assert kept["sep"].impl == "SplitSeparableConv2D" and kept["sep"].out_layout == WHOLE   # replicated
     assert kept.specs["sep/pointwise_kernel"] == ["-"] * 4 and not kept["sep"].collectives
+    bias = make_plan(model, "filter_split", [], mesh, overrides=parse_rules(".*stem/kernel=-,-,-,-;.*conv/bias=-"))
+    assert bias.specs["conv/kernel"] == ["-", "-", "-", "model"] and bias.specs["conv/bias"] == ["-"]
     with pytest.raises(UsageError, match=r"^--layout_overrides rule\(s\) \['.\*stem9/kernel'\] match no variable"):
         make_plan(model, "filter_split", [], mesh, overrides=parse_rules(".*stem/kernel=-,-,-,-;.*stem9/kernel=-"))
     with pytest.raises(UsageError, match=r"^--layout_overrides rule '.\*stem/kernel'='-' has rank 1"):

@@ -296,7 +296,8 @@ def policy_rules(nodes: tuple, policy: str, model_name: str, skip=frozenset()) -
     filter_split splits every Conv2D on output channels (grouped ones by whole groups) and every
     Dense on units; fc_only and conv_data_fc_model every Dense. The classifier is split where
     its class count divides the model axis (rules ending in "?") and replicated where not.
-    Layers whose kernel is in `skip` (placed by --layout_overrides) get no rule."""
+    Variables in `skip` (placed by --layout_overrides) get no rule, nor does the bias of a
+    kernel in it."""
     from tf_multigpu.parallel.layouts import SPLIT_TYPES
     types = tuple(getattr(L, t) for t in SPLIT_TYPES[policy])
     classifier = _classifier(nodes)
@@ -310,7 +311,7 @@ def policy_rules(nodes: tuple, policy: str, model_name: str, skip=frozenset()) -
         optional = "?" if node.name == classifier else ""
         rank = len(node.weights[kernel])
         rules.append((re.escape(kernel), ",".join([UNSPLIT] * (rank - 1) + ["model"]) + optional))
-        if bias:
+        if bias and bias not in skip:
             rules.append((re.escape(bias), "model" + optional))
     if not rules and not skip:
         raise UsageError(f"--layout={policy} splits {' and '.join(SPLIT_TYPES[policy])} layers and {model_name} has "
