@@ -58,8 +58,8 @@ def run_job(strategy, mesh, layouts, steps="1", *options):
     options = dict(option.split("=", 1) for option in options)
     dtype, xla = options.get("dtype", "float32"), options.get("xla") == "1"
     shard = {"shard_optimizer_state": True} if options.get("shard") == "1" else {}
-    if "overrides" in options:   # --layout_overrides (REGEX=SPEC;...), on the parallel run only
-        shard["layout_overrides"] = options["overrides"]
+    # --layout_overrides (REGEX=SPEC;...), on the parallel run only
+    overrides = {"layout_overrides": options["overrides"]} if "overrides" in options else {}
     model = options.get("model", "small_convnet")
     if options.get("float64") == "1":   # both runs: rounding ~1e-16, so only a real difference shows
         import keras
@@ -76,7 +76,7 @@ def run_job(strategy, mesh, layouts, steps="1", *options):
     result = {}
     for layout in layouts.split(","):
         before_m, split = one_step(strategy, DEVICES[:size], source, images, labels, steps=int(steps),
-                                   mesh=mesh, layout=layout, dtype=dtype, xla=xla, model=model, **shard)
+                                   mesh=mesh, layout=layout, dtype=dtype, xla=xla, model=model, **shard, **overrides)
         result[layout] = {
             "same_initial_weights": all((a == b).all() for a, b in zip(before, before_m)),
             "max_update_difference": max_update_difference(before, split, single),
