@@ -196,3 +196,9 @@ def test_a_layer_kept_whole_by_layout_overrides_steps_like_one_device():
     assert results.pop("noise_floor") < 1e-9
     assert results["filter_split"]["same_initial_weights"]
     assert results["filter_split"]["max_update_difference"] <= FLOAT64_TOLERANCE, results
+    # a separable convolution an override splits on filters after conv_data_fc_model's
+    # row-split batch gathers the rows first (it failed in DTensor's SPMD expansion)
+    rows = parity_result("model", "batch:1,model:2", "conv_data_fc_model", 1,
+                         "model=tests.user_models:odd_stem_convnet", "image_size=16", "batch=8", "float64=1",
+                         "overrides=.*sep/pointwise_kernel=-,-,-,model")
+    assert rows["conv_data_fc_model"]["max_update_difference"] <= FLOAT64_TOLERANCE, rows

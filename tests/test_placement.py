@@ -195,6 +195,32 @@ def test_layout_overrides_amend_the_policy_where_a_layer_does_not_divide():
         make_plan(model, "filter_split", [], mesh, overrides=parse_rules(".*stem/kernel=-,-,-,-;.*stem9/kernel=-"))
     with pytest.raises(UsageError, match=r"^--layout_overrides rule '.\*stem/kernel'='-' has rank 1"):
         make_plan(model, "filter_split", [], mesh, overrides=parse_rules(".*stem/kernel=-"))
+    # From a review: a separable's bias override is kept (it was overwritten), an override on a
+    # variable that follows split channels is refused (it was ignored), and splits DTensor
+    # could not run are refused by the plan (they failed inside DTensor's SPMD expansion).
+    whole_bias = make_plan(model, "filter_split", [], mesh, overrides=parse_rules(".*stem/kernel=-,-,-,-;.*sep/bias=-"))
+    assert whole_bias["sep"].impl == "FilterSplitSeparableConv2D" and whole_bias.specs["sep/bias"] == ["-"]
+    with pytest.raises(UsageError, match=r"^--layout_overrides places sep_bn/gamma as -, but it follows its layer's "
+                                         r"input, whose channels are split: it is model there; drop that override"):
+        make_plan(model, "filter_split", [], mesh, overrides=parse_rules(".*stem/kernel=-,-,-,-;.*sep_bn/gamma=-"))
+    with pytest.raises(UsageError, match=r"^layer sep_column \(SeparableConv2D\) splits its pointwise kernel on "
+                                         r"filters, which runs its depthwise part whole on every device, but a rule "
+                                         r"splits sep_column/depthwise_kernel on 'model': keep that variable whole"):
+        make_plan(user_models.separable_convnet((16, 16, 3), 10), "filter_split", [], mesh,
+                  overrides=parse_rules(".*sep_column/depthwise_kernel=-,-,model,-"))
+    with pytest.raises(UsageError, match=r"^layer sep_column \(SeparableConv2D\) receives activations not split on "
+                                         r"channels, but a rule splits sep_column/pointwise_kernel on 'model'"):
+        make_plan(user_models.separable_convnet((16, 16, 3), 10), "filter_split", [], mesh,
+                  overrides=parse_rules(".*sep_column/pointwise_kernel=-,-,model,-"))
+    with pytest.raises(UsageError, match=r"^layer sep_bn \(BatchNormalization\) has no split-aware version, but a "
+                                         r"rule splits sep_bn/gamma on 'model'"):
+        make_plan(model, "filter_split", [], mesh,
+                  overrides=parse_rules(".*stem/kernel=-,-,-,-;.*sep/pointwise_kernel=-,-,-,-;.*sep_bn/gamma=model"))
+    # conv_data_fc_model: a separable a rule splits on filters gathers the row-split batch first
+    rows = make_plan(model, "conv_data_fc_model", [], mesh, True,
+                     overrides=parse_rules(".*sep/pointwise_kernel=-,-,-,model;.*sep/bias=model"))
+    assert rows["sep"].impl == "FilterSplitSeparableConv2D" and rows["sep"].in_layouts == ("rows",)
+    assert rows["sep"].gathers and rows["sep"].collectives[0].op == "all_gather"
 
 
 def test_user_layout_rules_replace_the_policy():

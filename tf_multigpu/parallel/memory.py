@@ -58,7 +58,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from tf_multigpu.parallel.placement import BYTES_PER_VALUE, CHANNELS, PlacementPlan
+from tf_multigpu.parallel.placement import BYTES_PER_VALUE, WHOLE, PlacementPlan
 
 # Decoded batches the training input pipeline holds at once (see the docstring).
 INPUT_PIPELINE_BATCHES = 6
@@ -95,8 +95,9 @@ def transient_elems(plan: PlacementPlan, layer) -> int:
 
 def _depthwise_elems(plan: PlacementPlan, layer) -> int:
     """A SeparableConv2D's depthwise output (or its gradient) on one device: split where its
-    depthwise part runs on split channels, else whole."""
-    split = layer.impl == "SplitSeparableConv2D" and layer.in_layouts[0] == CHANNELS
+    depthwise part runs on a split input (channels, or rows under conv_data_fc_model), whole
+    where it runs whole (FilterSplitSeparableConv2D gathers its input)."""
+    split = layer.impl == "SplitSeparableConv2D" and layer.in_layouts[0] != WHOLE
     return layer.node.depthwise_elems // (plan.mesh["model"] if split else 1)
 
 

@@ -373,12 +373,18 @@ class _Walker:
     def follow(self, node: Node, specs: dict):
         """Give `node`'s variables the specs of its split-aware implementation (`specs`: name
         -> spec text, e.g. {"kernel": "-,-,model,-"}): they follow a channel-split input,
-        unless a rule already placed them."""
+        unless a rule already placed them. An override that places one otherwise is refused:
+        a follower cannot be kept whole on split channels."""
         for var, text in specs.items():
             path = node.weight(var)
+            spec = text.split(",")
+            if path in self.fixed and self.specs[path] != spec:
+                raise UsageError(f"--layout_overrides places {path} as {','.join(self.specs[path])}, but it follows "
+                                 f"its layer's input, whose channels are split: it is {text} there; drop that "
+                                 "override (to keep the layer whole, keep the layer before it whole)")
             if not path or self.split(path):
                 continue
-            spec, shape = text.split(","), node.weights[path]
+            shape = node.weights[path]
             for dim, (size, axis) in enumerate(zip(shape, spec)):
                 if axis == "model" and size % self.m:
                     raise UsageError(f"{path} dimension {dim} ({size}) follows channels split over {self.m} devices "
@@ -444,11 +450,18 @@ class _Walker:
             if self.split(kernel):
                 return "GatherDense", CHANNELS, True, True, ""
             return ("GatherDense", WHOLE, True, False, "") if x == CHANNELS else ("", x, False, False, "")
-        if _is(node, L.SeparableConv2D) and x != ROWS and self._splits_filters(node, x):
+        if _is(node, L.SeparableConv2D) and self._splits_filters(node, x):
+            depthwise = node.weight("depthwise_kernel")
+            if self.split(depthwise):
+                return self._split_but_whole(node, depthwise, "splits its pointwise kernel on filters, which runs its "
+                                             "depthwise part whole on every device")
             return "FilterSplitSeparableConv2D", CHANNELS, True, True, ""
         if node.cls in DTENSOR_REFUSES:   # on any layout: DTensor has no layout propagation for their backward
             impl = SPLIT_AWARE[node.cls]
             if x != CHANNELS:
+                split = [p for p in node.weights if self.split(p)]
+                if split:
+                    return self._split_but_whole(node, split[0], "receives activations not split on channels")
                 return impl.__name__, x, False, False, ""
             self.follow(node, impl.VARIABLE_SPECS)
             return impl.__name__, (CHANNELS if impl.SPLITS_OUTPUT else WHOLE), False, False, ""
@@ -462,8 +475,9 @@ class _Walker:
                                      "operands split alike, which model parallelism cannot place on split channels "
                                      "(wrapped in a layer, it would run gathered)")
         if CHANNELS not in ins:   # on whole or row-split activations every stock layer runs as it is
-            if any(self.split(p) for p in node.weights):
-                return self._unplaceable(node, "has a split variable but no split-aware version")
+            split = [p for p in node.weights if self.split(p)]
+            if split:
+                return self._split_but_whole(node, split[0], "has no split-aware version")
             return "", x, False, False, ""
         # -- an input is split on channels (the only input, but for a user's layer of several:
         # those are gathered below, whichever of their inputs is split) -------------------
@@ -507,7 +521,7 @@ class _Walker:
             raise UsageError(f"{pointwise} dimension 3 ({filters}) does not divide by the {self.m} devices of mesh "
                              f"axis 'model': change --mesh or the layout, or {keep_whole(pointwise, 4)}")
         self.specs[pointwise] = [UNSPLIT] * 3 + ["model"]
-        if node.weight("bias"):
+        if node.weight("bias") and node.weight("bias") not in self.fixed:
             self.specs[node.weight("bias")] = ["model"]
         return True
 
@@ -534,6 +548,10 @@ class _Walker:
             return "GatherConcatenate", WHOLE, True, False, WHOLE
         # Whole operands are sliced to the split channels (local); backward, their gradient is gathered.
         return f"Split{node.cls.__name__}", CHANNELS, False, False, CHANNELS
+
+    def _split_but_whole(self, node: Node, path: str, why: str):
+        raise UsageError(f"layer {node.name} ({node.cls.__name__}) {why}, but a rule splits {path} on 'model': keep "
+                         "that variable whole (fix the --layout_overrides or --layout_rules rule that splits it)")
 
     def _unplaceable(self, node: Node, why: str):
         raise UsageError(f"layer {node.name} ({node.cls.__name__}) receives activations split on 'model' and {why}: "
