@@ -75,8 +75,7 @@ def saved_elems(plan: PlacementPlan, layer) -> int:
     out = node.out_elems // plan.share(layer.out_layout)
     kept = out
     if layer.new_gather:   # a gathered tensor two layers share is kept once; a whole input
-        kept += sum(c.elems_per_example for c in layer.collectives   # is its producer's output
-                    if c.op == "all_gather" and c.phase == "forward")
+        kept += layer.collective_elems("all_gather", "forward")   # is its producer's output
     if issubclass(node.cls, _SAVES_OUTPUT_SIZED):
         kept += out
     return kept + _depthwise_elems(plan, layer)

@@ -77,7 +77,13 @@ import numpy as np
 from tf_multigpu.compat import elementwise_op, inbound_layer_names, op_call_shapes, per_channel_layers, producer_name
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import UNSPLIT, assign_specs, keep_whole
-from tf_multigpu.parallel.split_layers_modern import MERGES, SPLIT_AWARE, STOCK_VARIABLE_SPECS, SplitGroupedConv2D
+from tf_multigpu.parallel.split_layers_modern import (
+    MERGES,
+    SPLIT_AWARE,
+    STOCK_VARIABLE_SPECS,
+    FilterSplitSeparableConv2D,
+    SplitGroupedConv2D,
+)
 
 WHOLE, CHANNELS, ROWS = "whole", "channels", "rows"
 BYTES_PER_VALUE = 4   # float32 activations, parameters, gradients and slots
@@ -160,6 +166,10 @@ class LayerPlan:
     @property
     def name(self) -> str:
         return self.node.name
+
+    def collective_elems(self, op: str, phase: str = "") -> int:
+        """Values per example this layer's `op` collectives (of `phase`, or both) move."""
+        return sum(c.elems_per_example for c in self.collectives if c.op == op and phase in ("", c.phase))
 
     @property
     def rows(self) -> bool:
@@ -451,17 +461,13 @@ class _Walker:
                 return "GatherDense", CHANNELS, True, True, ""
             return ("GatherDense", WHOLE, True, False, "") if x == CHANNELS else ("", x, False, False, "")
         if _is(node, L.SeparableConv2D) and self._splits_filters(node, x):
-            depthwise = node.weight("depthwise_kernel")
-            if self.split(depthwise):
-                return self._split_but_whole(node, depthwise, "splits its pointwise kernel on filters, which runs its "
-                                             "depthwise part whole on every device")
+            self._refuse_split(node, "splits its pointwise kernel on filters, which runs its depthwise part whole on "
+                               "every device", [node.weight("depthwise_kernel")])
             return "FilterSplitSeparableConv2D", CHANNELS, True, True, ""
         if node.cls in DTENSOR_REFUSES:   # on any layout: DTensor has no layout propagation for their backward
             impl = SPLIT_AWARE[node.cls]
             if x != CHANNELS:
-                split = [p for p in node.weights if self.split(p)]
-                if split:
-                    return self._split_but_whole(node, split[0], "receives activations not split on channels")
+                self._refuse_split(node, "receives activations not split on channels")
                 return impl.__name__, x, False, False, ""
             self.follow(node, impl.VARIABLE_SPECS)
             return impl.__name__, (CHANNELS if impl.SPLITS_OUTPUT else WHOLE), False, False, ""
@@ -475,9 +481,7 @@ class _Walker:
                                      "operands split alike, which model parallelism cannot place on split channels "
                                      "(wrapped in a layer, it would run gathered)")
         if CHANNELS not in ins:   # on whole or row-split activations every stock layer runs as it is
-            split = [p for p in node.weights if self.split(p)]
-            if split:
-                return self._split_but_whole(node, split[0], "has no split-aware version")
+            self._refuse_split(node, "has no split-aware version")
             return "", x, False, False, ""
         # -- an input is split on channels (the only input, but for a user's layer of several:
         # those are gathered below, whichever of their inputs is split) -------------------
@@ -520,9 +524,10 @@ class _Walker:
         if filters % self.m:
             raise UsageError(f"{pointwise} dimension 3 ({filters}) does not divide by the {self.m} devices of mesh "
                              f"axis 'model': change --mesh or the layout, or {keep_whole(pointwise, 4)}")
-        self.specs[pointwise] = [UNSPLIT] * 3 + ["model"]
-        if node.weight("bias") and node.weight("bias") not in self.fixed:
-            self.specs[node.weight("bias")] = ["model"]
+        for var, text in FilterSplitSeparableConv2D.VARIABLE_SPECS.items():   # pointwise kernel and bias
+            path = node.weight(var)
+            if path and path not in self.fixed:
+                self.specs[path] = text.split(",")
         return True
 
     def _grouped(self, node: Node, x: str):
@@ -549,9 +554,14 @@ class _Walker:
         # Whole operands are sliced to the split channels (local); backward, their gradient is gathered.
         return f"Split{node.cls.__name__}", CHANNELS, False, False, CHANNELS
 
-    def _split_but_whole(self, node: Node, path: str, why: str):
-        raise UsageError(f"layer {node.name} ({node.cls.__name__}) {why}, but a rule splits {path} on 'model': keep "
-                         "that variable whole (fix the --layout_overrides or --layout_rules rule that splits it)")
+    def _refuse_split(self, node: Node, why: str, paths=None):
+        """Raises where a rule splits one of `paths` (default: all the layer's variables), which
+        the layer runs whole."""
+        split = [p for p in (node.weights if paths is None else paths) if self.split(p)]
+        if split:
+            raise UsageError(f"layer {node.name} ({node.cls.__name__}) {why}, but a rule splits {split[0]} on 'model': "
+                             "keep that variable whole (fix the --layout_overrides or --layout_rules rule that splits "
+                             "it)")
 
     def _unplaceable(self, node: Node, why: str):
         raise UsageError(f"layer {node.name} ({node.cls.__name__}) receives activations split on 'model' and {why}: "

@@ -46,18 +46,18 @@ def minimum_bytes(plan: PlacementPlan, global_batch: int) -> dict:
     for layer in plan.layers:
         split_input = any(lay != WHOLE for lay in layer.in_layouts)
         if layer.impl == "FilterSplitSeparableConv2D":
-            gathered = sum(c.elems_per_example for c in layer.collectives if c.op == "all_gather")
+            gathered = layer.collective_elems("all_gather")
             if layer.new_gather:   # forward only: the backward's sum is the depthwise output's
                 out["activations"] += share * group_batch * gathered * BYTES_PER_VALUE
                 out["forward_activation_payload"] += group_batch * gathered * BYTES_PER_VALUE
-            reduced = sum(c.elems_per_example for c in layer.collectives if c.op == "all_reduce")
+            reduced = layer.collective_elems("all_reduce")
             whole_dx = not split_input and layer.needs_input_grad
             out["activations"] += (2 if whole_dx else 1) * share * group_batch * reduced * BYTES_PER_VALUE
             continue
         if not layer.kernel_split:   # LayerNorm's statistics, SeparableConv2D's pointwise partial sums
-            reduced = sum(c.elems_per_example for c in layer.collectives if c.op == "all_reduce")
+            reduced = layer.collective_elems("all_reduce")
             out["activations"] += 2 * share * group_batch * reduced * BYTES_PER_VALUE
-        gathered = sum(c.elems_per_example for c in layer.collectives if c.op == "all_gather")
+        gathered = layer.collective_elems("all_gather")
         if layer.new_gather:   # all-gather forward, reduce-scatter backward
             nbytes = group_batch * gathered * BYTES_PER_VALUE
             out["activations"] += 2 * share * nbytes
@@ -68,9 +68,7 @@ def minimum_bytes(plan: PlacementPlan, global_batch: int) -> dict:
             # partial input gradients, all-reduced
             out["activations"] += 2 * share * group_batch * layer.node.in_elems * BYTES_PER_VALUE
         # a Split<Merge>'s whole operands were sliced: their gradients are gathered back whole
-        gathered_back = sum(c.elems_per_example for c in layer.collectives
-                            if c.op == "all_gather" and c.phase == "backward")
-        out["activations"] += share * group_batch * gathered_back * BYTES_PER_VALUE
+        out["activations"] += share * group_batch * layer.collective_elems("all_gather", "backward") * BYTES_PER_VALUE
     for c in plan.collectives:
         if c.layer == "loss":   # split logits, gathered for the loss's and the accuracy's argmax (forward only)
             nbytes = group_batch * c.elems_per_example * BYTES_PER_VALUE
