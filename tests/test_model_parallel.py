@@ -123,7 +123,7 @@ def test_conv_data_fc_model_is_data_parallel_convs_and_model_parallel_dense(devi
 
     for layer in par.plan.layers:   # every conv activation: a quarter of the rows per device
         if layer.node.cls.__name__ in ("Conv2D", "MaxPooling2D"):
-            assert saved_elems(par.plan, layer) * 4 == layer.node.out_elems, layer.name
+            assert saved_elems(par.plan)[layer.name] * 4 == layer.node.out_elems, layer.name
     minimum = minimum_bytes(par.plan, 32)
     assert minimum["gradients"] == 2 * 3 / 4 * ALEXNET_CONV_PARAMS * 4
     gathered = 32 * (9216 + 4096 + 4096) * 4   # fc6's input (the batch), fc7's and logits' (the units)

@@ -140,8 +140,8 @@ def test_filter_split_splits_separable_convolutions_on_filters_and_on_channels_i
             np.prod(model.get_layer(name).pointwise_kernel.shape))
     # the depthwise output is kept for the pointwise kernel's gradient: split on channels in
     # the row-split one, whole in the column-split one
-    assert saved_elems(plan, plan["sep_row"]) == 16 * 16 * 8 + 16 * 16 * 8 // 2
-    assert saved_elems(plan, plan["sep_column"]) == 16 * 16 * 8 // 2 + 16 * 16 * 8
+    assert saved_elems(plan)["sep_row"] == 16 * 16 * 8 + 16 * 16 * 8 // 2
+    assert saved_elems(plan)["sep_column"] == 16 * 16 * 8 // 2 + 16 * 16 * 8
 
     rules = [(".*logits/kernel", "-,model"), (".*sep_stem/pointwise_kernel", "-,-,-,model"),
              (".*sep_row/pointwise_kernel", "-,-,-,model")]
@@ -356,7 +356,7 @@ def test_a_users_layer_of_two_inputs_gathers_whichever_is_split(applications_idi
         gathered = sum(c.elems_per_example for c in placed.collectives if c.op == "all_gather")
         assert gathered == plan[split_input].node.out_elems, name
         # it keeps its gathered (new, whole) input for the backward, not the whole one again
-        assert saved_elems(plan, placed) == placed.node.out_elems + gathered, name
+        assert saved_elems(plan)[name] == placed.node.out_elems + gathered, name
     # a whole operand added to a split one is sliced, and the merge knows which operand was whole
     assert plan["merge"].impl == "SplitAdd" and plan["merge"].in_layouts == (WHOLE, CHANNELS)
 
@@ -371,7 +371,8 @@ def test_layer_normalization_stays_on_split_channels_and_all_reduces_its_statist
     assert plan.specs["norm/gamma"] == plan.specs["norm/beta"] == ["model"]
     assert [(c.op, c.phase, c.elems_per_example) for c in norm.collectives] == [
         ("all_reduce", "forward", 2 * 16 * 16), ("all_reduce", "backward", 2 * 16 * 16)]
-    assert saved_elems(plan, norm) == 2 * 16 * 16 * 8 // 2   # its output and normalised input, split
+    # its normalised input, split; not its output: conv2's backward reads the gathered copy
+    assert saved_elems(plan)["norm"] == 16 * 16 * 8 // 2 and saved_elems(plan)["conv2"] == 16 * 16 * 8
     x = inputs = keras.Input((8, 8, 3))
     x = L.LayerNormalization(axis=(1, 2, 3), name="all_axes")(L.Conv2D(8, 3, name="conv")(x))
     model = keras.Model(inputs, L.Dense(10, name="head")(L.Flatten()(x)))
@@ -431,7 +432,9 @@ def test_bare_ops_between_layers_are_placed_and_refused_on_channels_split_unlike
     bare = [layer.node for layer in plan.layers if not issubclass(layer.node.cls, keras.layers.Layer)]
     assert len(bare) == 5 and c2.inputs == (bare[-1].name,) and bare[0].inputs == ("c1",)
     assert all(n.out_shape == (14, 14, 8) and not n.weights for n in bare)
-    assert all(saved_elems(plan, plan[n.name]) == 14 * 14 * 8 for n in bare)   # counted as layers' outputs
+    # each keeps what its gradient reads: nothing (+, * a scalar), its output (relu), or for
+    # the clip its two masks and two maps of zeros, and its output, which c2's kernel reads
+    assert [saved_elems(plan)[n.name] for n in bare] == [0, 14 * 14 * 8, 0, 0, 14 * 14 * 8 * 7 // 2]
     split = make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
     assert all(split[n.name].out_layout == CHANNELS and not split[n.name].collectives for n in bare)
     assert split["c2"].in_layouts == (CHANNELS,) and split["c2"].gathers

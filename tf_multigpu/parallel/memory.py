@@ -5,21 +5,30 @@ Counted from the placement plan, per device:
   parameters, gradients   this device's shards (a split variable holds 1/M);
   optimizer_slots         one momentum buffer per trainable shard (0 with plain SGD), sharded
                           over `batch` too with --shard_optimizer_state (placement.slot_spec);
-  activations             what each layer's implementation keeps for the backward pass, for
-                          the device's share of its group's batch:
-                            - its output, at its layout's share (1/M where split on `model`,
+  activations             what the backward reads of the forward, so what the runtime keeps
+                          until then (`parallel/backward_reads.py`, traced from TensorFlow's
+                          gradient graph), for the device's share of its group's batch:
+                            - a layer's output where its own backward reads it (a ReLU, a
+                              max pool) or a consumer's reads it as an input (the next
+                              convolution's kernel gradient, BatchNormalization), once however
+                              many read it; at its layout's share (1/M where split on `model`,
                               whole where replicated: the replication on `model` is counted);
+                              not where nothing reads it (BatchNormalization's output before a
+                              ReLU, an add's, a linear convolution's before a BatchNorm is
+                              counted as the BatchNorm's input), nor a view (Flatten, Reshape);
                             - a gathered input (SplitConv2D and every Gather* layer after a
-                              split one): a new, whole tensor, saved for the weight gradient
-                              (once where two layers gather the same tensor);
-                            - Dropout's mask and Batch/LayerNormalization's normalised
-                              input, each the size of the output;
+                              split one) where the layer's backward reads its input: a new,
+                              whole tensor (once where two layers gather the same tensor);
+                            - tensors a layer keeps of its own: Dropout's mask, the
+                              pre-activation an activation like swish reads, LayerNormalization's
+                              normalised input;
                             - a SeparableConv2D's depthwise output, which its pointwise
                               kernel's gradient reads: whole, but split on channels where
                               the layer runs on split channels (SplitSeparableConv2D);
                           SplitConv2D keeps its (gathered) input, never a patch matrix;
-                          SlicePool2D its input and output, both counted already (its
-                          backward re-slices the window taps from the input);
+                          SlicePool2D its input and output, as a stock max pool (its
+                          backward re-slices the window taps from the input); a layer no
+                          gradient passes through (before the first weights) keeps nothing;
   input                   the input batch (1/M of it under conv_data_fc_model);
   transient               the largest working set of one layer's backward beyond the above
                           (its input gradient, whole where the input is gathered, and its
@@ -55,30 +64,49 @@ workspace; `summary.json` sets the measured peak beside it.
 
 from __future__ import annotations
 
-import keras
 import numpy as np
 
+from tf_multigpu.parallel.backward_reads import NOTHING, Reads, layer_reads
 from tf_multigpu.parallel.placement import BYTES_PER_VALUE, WHOLE, PlacementPlan
 
 # Decoded batches the training input pipeline holds at once (see the docstring).
 INPUT_PIPELINE_BATCHES = 6
 
-# Layers whose backward keeps a second tensor the size of their output.
-_SAVES_OUTPUT_SIZED = (keras.layers.Dropout, keras.layers.BatchNormalization, keras.layers.LayerNormalization)
+def saved_elems(plan: PlacementPlan) -> dict:
+    """{layer name: values per example of the group batch it keeps on one device for the
+    backward}: its output where a backward reads it, its own tensors, its gathered input."""
+    reads = {layer.name: _reads(layer) for layer in plan.layers}
+    kept = {name for name, r in reads.items() if r.output}
+    reads_gathered = set()
+    for layer in reversed(plan.layers):   # every consumer before its producer (views pass it on)
+        r = reads[layer.name]
+        if not (r.inputs or (r.alias and layer.name in kept)):
+            continue
+        gathered = [lay != WHOLE and layer.gathers for lay in layer.in_layouts]
+        kept.update(p for p, g in zip(layer.node.inputs, gathered) if p and not g)
+        if any(gathered):
+            reads_gathered.add(layer.name)
+    saved = {}
+    for layer in plan.layers:
+        node, r = layer.node, reads[layer.name]
+        if not node.inputs:   # the input batch: counted on its own
+            saved[layer.name] = 0
+            continue
+        out = node.out_elems // plan.share(layer.out_layout)
+        elems = (out if layer.name in kept and not r.alias else 0) + round(r.own * out)
+        elems += round(r.own_in * _input_elems(plan, layer))
+        if layer.new_gather and layer.name in reads_gathered:   # a gathered tensor two layers
+            elems += layer.collective_elems("all_gather", "forward")   # share is kept once
+        saved[layer.name] = elems + _depthwise_elems(plan, layer)
+    return saved
 
 
-def saved_elems(plan: PlacementPlan, layer) -> int:
-    """Values per example of the group batch that `layer` keeps on one device for the backward."""
-    node = layer.node
-    if not node.inputs:   # the input batch: counted on its own
-        return 0
-    out = node.out_elems // plan.share(layer.out_layout)
-    kept = out
-    if layer.new_gather:   # a gathered tensor two layers share is kept once; a whole input
-        kept += layer.collective_elems("all_gather", "forward")   # is its producer's output
-    if issubclass(node.cls, _SAVES_OUTPUT_SIZED):
-        kept += out
-    return kept + _depthwise_elems(plan, layer)
+def _reads(layer) -> Reads:
+    """A layer's backward reads; nothing where no gradient passes through it (no weights of
+    its own, none upstream)."""
+    if not layer.needs_input_grad and not layer.node.trainable:
+        return NOTHING
+    return layer_reads(layer.node)
 
 
 def transient_elems(plan: PlacementPlan, layer) -> int:
@@ -87,9 +115,13 @@ def transient_elems(plan: PlacementPlan, layer) -> int:
     node = layer.node
     if not node.inputs:
         return 0
-    dx = node.in_elems if layer.gathers else sum(
-        int(np.prod(s)) // plan.share(lay) for s, lay in zip(node.in_shapes, layer.in_layouts))
+    dx = node.in_elems if layer.gathers else _input_elems(plan, layer)
     return node.out_elems // plan.share(layer.out_layout) + dx + _depthwise_elems(plan, layer)
+
+
+def _input_elems(plan: PlacementPlan, layer) -> int:
+    """Values per example of the layer's inputs on one device, each at its layout's share."""
+    return sum(int(np.prod(s)) // plan.share(lay) for s, lay in zip(layer.node.in_shapes, layer.in_layouts))
 
 
 def _depthwise_elems(plan: PlacementPlan, layer) -> int:
@@ -117,10 +149,8 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
     # one process' tf.distribute data parallelism (a replicated plan) packs all gradients
     packed = not plan.layout and plan.mesh["batch"] > 1
     buffers = 2 * grads if packed else reduced
-    activations = transient = 0
-    for layer in plan.layers:
-        activations += saved_elems(plan, layer) * group_batch
-        transient = max(transient, transient_elems(plan, layer) * group_batch)
+    activations = sum(saved_elems(plan).values()) * group_batch
+    transient = max(transient_elems(plan, layer) for layer in plan.layers) * group_batch
     first = plan.layers[0]
     out = {"parameters": params * BYTES_PER_VALUE, "gradients": grads * BYTES_PER_VALUE,
            "optimizer_slots": slots * slots_per_parameter * BYTES_PER_VALUE,
