@@ -201,7 +201,8 @@ def test_resnet50_activation_bytes_measured_equal_the_plans(tmp_path):
 def test_layer_normalization_statistics_measured_equal_the_plans(tmp_path):
     """A LayerNormalization on split channels (model 1x2, 16x16, batch 8): the all-reduces
     DTensor's lowered step runs under its name are the plan's, two values per position forward
-    (mean, variance) and two backward."""
+    (mean, variance) and two backward. The next convolution's all-reduce of its input gradient
+    is the plan's too, and backward."""
     from tests.user_models import layernorm_convnet
     from tf_multigpu.parallel.placement import make_plan
     run_dir = tmp_path / "layernorm"
@@ -209,16 +210,22 @@ def test_layer_normalization_statistics_measured_equal_the_plans(tmp_path):
                    "--image_size=16", "--model=tests.user_models:layernorm_convnet", "--batch_size=8",
                    "--steps=2", "--profile_steps=2,2", "--log_every=2", "--noexport", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    measured, gathered = {True: 0, False: 0}, 0
+    measured, gathered, conv2 = {True: 0, False: 0}, 0, []
     for c in _report(run_dir)["collectives"]:
         if "/norm_1/" in c["name"] and c["op"] == "all_reduce":
             measured[c["forward"]] += c["payload_bytes"]
         elif "/norm_1/" in c["name"]:   # conv2's gather of its input, which DTensor runs on its producer
             gathered += c["payload_bytes"]
+        elif "/conv2_1/" in c["name"] and c["payload_bytes"] > 4:   # not the scalar that orders
+            conv2.append((c["op"], c["forward"], c["payload_bytes"]))  # its chunks (split_conv._zero_from)
     plan = make_plan(layernorm_convnet((16, 16, 3), 1000), "filter_split", [], {"batch": 1, "model": 2})
     planned = {c.phase == "forward": 8 * c.elems_per_example * 4 for c in plan["norm"].collectives}
     assert measured == planned == {True: 8 * 2 * 16 * 16 * 4, False: 8 * 2 * 16 * 16 * 4}
     assert gathered == 8 * plan["conv2"].collectives[0].elems_per_example * 4 == 8 * 16 * 16 * 8 * 4
+    # SplitConv2D's all-reduce of its input gradient, which its custom gradient runs: backward,
+    # under the layer's name (it was reported as forward, at the root, before)
+    assert conv2 == [(c.op, c.phase == "forward", 8 * c.elems_per_example * 4)
+                     for c in plan["conv2"].collectives if c.op == "all_reduce"] == [("all_reduce", False, 65536)]
 
 
 def test_separable_convolutions_measured_collectives_equal_the_plans(tmp_path):

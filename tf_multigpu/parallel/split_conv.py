@@ -228,7 +228,16 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int, batch_groups: 
         ys = _map_chunks(lambda r0, r1, p: _output_part(p, w2), flat_padded(x), wp, kh, kw, ow, y_chunks)
         y = tf.concat(ys, axis=1) if len(ys) > 1 else ys[0]
 
+        scope = tf.get_current_name_scope()
+
         def grad(dy):
+            # Under the layer's name: a custom gradient's ops are made at the root, where the
+            # communication report cannot tell the layer, nor that they are backward (it reads
+            # "gradient_tape" or "/activation_gradients/" in a collective's name).
+            with tf.name_scope(f"{scope}/activation_gradients/" if scope else "activation_gradients"):
+                return _grad(dy)
+
+        def _grad(dy):
             parts = _map_chunks(lambda r0, r1, p: _weight_grad_part(p, dy[:, r0:r1], batch_groups),
                                 flat_padded(x), wp, kh, kw, ow, y_chunks, after=dy)  # not during the forward
             dw = tf.add_n(parts)
