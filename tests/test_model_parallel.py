@@ -187,7 +187,7 @@ def test_gather_lowering_is_chosen_by_the_mesh_and_the_user_wins(monkeypatch):
     (["--strategy=model", "--layout_rules=.*conv1/kernel=-,-,-,model", "--layout_overrides=.*conv2/kernel=-,-,-,-"],
      "--layout_rules replaces --layout's rules and --layout_overrides amends them: give one"),
     (["--strategy=data", "--layout_overrides=.*conv1/kernel=-,-,-,-"],
-     "--layout_overrides applies to --strategy=model or hybrid, not data"),
+     "--layout_overrides applies to --strategy=model, hybrid or auto (its model and hybrid plans), not data"),
 ])
 def test_bad_meshes_and_layouts_exit_2(tmp_path, flags, needle):
     done = run_cli(f"--run_dir={tmp_path / 'run'}", *flags)

@@ -349,12 +349,55 @@ def test_plan_cli_prints_and_writes_the_table(tmp_path):
     (["--profile=nope"], "--profile=nope: no such profile"),
     (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
     (["--model=resnet", "--profile=titan_pcie3"], "unknown --model='resnet'"),
+    (["--layout_overrides=.*conv1/kernel", "--profile=titan_pcie3"],
+     "--layout_overrides item '.*conv1/kernel' is not REGEX=SPEC"),
+    (["--layout_overrides=.*conv9/kernel=-,-,-,-", "--profile=titan_pcie3"],
+     "--layout_overrides rule(s) ['.*conv9/kernel'] match no variable"),
 ])
 def test_plan_cli_bad_input_is_one_line_exit_2(flags, needle):
     done = _plan_cli(*flags)
     assert done.returncode == USAGE_ERROR, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("tf-multigpu-plan: error:")]
     assert len(errors) == 1 and needle in errors[0] and done.stderr.rstrip().endswith(errors[0])
+
+
+def test_the_planner_takes_layout_overrides():
+    """A model filter_split refuses (a stem of 5 filters) is planned with the overrides the
+    refusal names, and the plan's flags carry them; plans without a model axis take none."""
+    from tests.user_models import odd_stem_convnet
+    from tf_multigpu.parallel.layouts import parse_rules
+    cost = planner.analyze(odd_stem_convnet((16, 16, 3), 10))
+    refused = {p.label: p.error for p in planner.plan_table(cost, _profile(), 2, 64).skipped}
+    assert "keep it whole: --layout_overrides='stem/kernel=-,-,-,-'" in refused["model 1x2 filter_split"]
+    overrides = parse_rules(".*stem/kernel=-,-,-,-", "--layout_overrides")
+    table = planner.plan_table(cost, _profile(), 2, 64, overrides=overrides)
+    plans = {p.label: p for p in table.plans}
+    assert "model 1x2 filter_split" not in {p.label for p in table.skipped}
+    assert plans["model 1x2 filter_split"].flags() == ("--strategy=model --mesh=batch:1,model:2 --layout=filter_split "
+                                                       "--layout_overrides='.*stem/kernel=-,-,-,-'")
+    assert plans["data x2"].flags() == "--strategy=data" and plans["data x2"].overrides == ()
+    # the plan it prices is the amended placement: the stem whole on both devices
+    stem = next(p for p in placement(cost, "filter_split", {"batch": 1, "model": 2}, overrides) if p.name == "stem")
+    assert not stem.collectives and stem.fwd_flops == next(c for c in cost.layers if c.name == "stem").fwd_flops
+    with pytest.raises(UsageError, match=r"--layout_overrides rule\(s\) \['.\*nope/kernel'\] match no variable"):
+        planner.plan_table(cost, _profile(), 2, 64, overrides=parse_rules(".*nope/kernel=-", "--layout_overrides"))
+
+
+def test_strategy_auto_keeps_the_overrides_for_a_model_plan_only(tmp_path):
+    from tf_multigpu.config import Config
+    from tf_multigpu.data import load_source
+    from tf_multigpu.planner.auto import resolve_strategy
+    source = load_source("synthetic", None, 224)
+    cfg = Config(run_dir=str(tmp_path), strategy="auto", profile="titan_pcie3", model="alexnet", dataset="synthetic",
+                 batch_size=256, layout_overrides=".*logits/kernel=-,-")
+    cfg.validate()
+    resolved, prediction = resolve_strategy(cfg, [None] * 4, source)
+    assert (resolved.strategy, resolved.layout) == ("model", "conv_data_fc_model")   # the top plan, as without
+    assert resolved.layout_overrides == ".*logits/kernel=-,-" and "--layout_overrides='.*logits/kernel=-,-'" in \
+        prediction.record["flags"]
+    assert resolved.layout_override_list == ((".*logits/kernel", "-,-"),)   # what the run's plan reads
+    resolved, _ = resolve_strategy(dataclasses.replace(cfg, batch_size=8), [None] * 1, source)   # one device: single
+    assert resolved.strategy == "single" and resolved.layout_override_list == ()
 
 
 def test_auto_is_a_strategy_that_takes_no_mesh_or_layout():

@@ -18,6 +18,7 @@ from tf_multigpu import cli
 from tf_multigpu.config.config import ALL_REDUCE
 from tf_multigpu.config.workload_flags import check_workload_flags, define_workload_flags
 from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.layouts import parse_rules  # pure Python
 from tf_multigpu.planner.device_profile import builtin_names  # pure Python
 
 PROG = "tf-multigpu-plan"
@@ -33,9 +34,13 @@ flags.DEFINE_integer("num_devices", 0, "Devices to plan for (0: the profile's de
 flags.DEFINE_integer("cpu_devices", 0, "With --profile=measure: measure N logical CPU devices instead of GPUs.")
 flags.DEFINE_float("grad_overlap", 0.0, "Fraction of the gradient all-reduce assumed hidden behind compute.")
 flags.DEFINE_string("out_dir", None, "Also write plan.md and plan.json here.")
+flags.DEFINE_string("layout_overrides", "", "Amend every model and hybrid plan's layout, as tf-multigpu-train's "
+                    "--layout_overrides: 'REGEX=SPEC;...' over variable paths (e.g. "
+                    "'.*stem/kernel=-,-,-,-' keeps a layer whose filters do not divide whole).")
 FLAGS = flags.FLAGS
 _ZERO_MEANS = {"num_devices": "the profile's devices, or all found", "cpu_devices": "GPUs, or the CPU"}
-_OWN_FLAGS = _WORKLOAD + ("profile", "all_reduce", "num_devices", "cpu_devices", "grad_overlap", "out_dir")
+_OWN_FLAGS = _WORKLOAD + ("profile", "all_reduce", "num_devices", "cpu_devices", "grad_overlap", "out_dir",
+                          "layout_overrides")
 
 
 def main(argv):
@@ -76,6 +81,7 @@ def _plan():
         raise UsageError(f"unknown --all_reduce={FLAGS.all_reduce!r}: choose one of {', '.join(ALL_REDUCE)}")
     if FLAGS.out_dir and os.path.exists(FLAGS.out_dir) and not os.path.isdir(FLAGS.out_dir):
         raise UsageError(f"--out_dir={FLAGS.out_dir} is a file: give a directory for plan.md and plan.json")
+    overrides = parse_rules(FLAGS.layout_overrides, "--layout_overrides")
     profile = None
     if FLAGS.profile != "measure":
         if FLAGS.cpu_devices:
@@ -99,7 +105,8 @@ def _plan():
     cost = planner.analyze(model)
     return planner.plan_table(cost, profile, num_devices, FLAGS.batch_size,
                               planner.Assumptions(grad_overlap=FLAGS.grad_overlap,
-                                                  all_reduce="" if FLAGS.all_reduce == "auto" else FLAGS.all_reduce))
+                                                  all_reduce="" if FLAGS.all_reduce == "auto" else FLAGS.all_reduce),
+                              overrides)
 
 
 def _fail(message: str, status: int = cli.USAGE_ERROR):

@@ -157,8 +157,9 @@ class Config:
             raise UsageError(f"--mesh applies to --strategy=model or hybrid, not {self.strategy}: drop --mesh")
         if self.layout_rules and self.strategy not in ("model", "hybrid"):
             raise UsageError(f"--layout_rules applies to --strategy=model or hybrid, not {self.strategy}")
-        if self.layout_overrides and self.strategy not in ("model", "hybrid"):
-            raise UsageError(f"--layout_overrides applies to --strategy=model or hybrid, not {self.strategy}")
+        if self.layout_overrides and self.strategy not in ("model", "hybrid", "auto"):
+            raise UsageError(f"--layout_overrides applies to --strategy=model, hybrid or auto (its model and hybrid "
+                             f"plans), not {self.strategy}")
         if self.layout_overrides and self.layout_rules:
             raise UsageError("--layout_rules replaces --layout's rules and --layout_overrides amends them: give one "
                              "(your overrides as the first --layout_rules, or drop --layout_rules)")

@@ -44,16 +44,17 @@ def resolve_strategy(cfg: Config, devices, source, profile=None) -> tuple[Config
     if profile is None:
         profile = (measure_for_run(devices, model, source, cfg.batch_size, cfg.seed) if cfg.profile == "measure"
                    else load(cfg.profile))
-    table = plan_table(cost, profile, len(devices), cfg.batch_size)
+    table = plan_table(cost, profile, len(devices), cfg.batch_size, overrides=cfg.layout_override_list)
     best = table.best
     print(f"--strategy=auto chose {best.label} ({best.flags()}): predicted {best.step_time_s * 1e3:.1f} ms "
           f"per step, {best.speedup:.2f}x one device, {best.binding}-bound, "
           f"{best.memory['total'] / 2**20:.1f} MiB per device (profile {profile.name}; "
           f"runner-up {table.plans[1].label if len(table.plans) > 1 else 'none'})", flush=True)
-    resolved = dataclasses.replace(cfg, strategy=best.strategy, mesh=best.mesh,
-                                   layout=best.layout or Config.layout)
+    resolved = dataclasses.replace(cfg, strategy=best.strategy, mesh=best.mesh, layout=best.layout or Config.layout,
+                                   layout_overrides=cfg.layout_overrides if best.overrides else "")
     record = {
         "strategy": best.strategy, "mesh": best.mesh, "layout": best.layout, "label": best.label,
+        "flags": best.flags(),
         "predicted_step_time_s": best.step_time_s, "predicted_compute_s": best.compute_s,
         "predicted_activation_comm_s": best.activation_comm_s, "predicted_grad_comm_s": best.grad_comm_s,
         "predicted_memory_per_device_bytes": best.memory["total"], "predicted_speedup": best.speedup,

@@ -144,20 +144,22 @@ class LayerPlacement:
     input_grad: bool = True    # computes its input's gradient (a first layer does not)
 
 
-def plan_for(cost: ModelCost, layout: str | None, mesh_shape: dict):
-    """The placement plan of the analysed model under a built-in layout (None: replicated)."""
+def plan_for(cost: ModelCost, layout: str | None, mesh_shape: dict, overrides=()):
+    """The placement plan of the analysed model under a built-in layout (None: replicated),
+    amended by `overrides` (--layout_overrides, parsed; a replicated model takes none)."""
     mesh = mesh_shape if layout else {"batch": mesh_shape["batch"], "model": 1}
-    return make_plan(None, layout or "", [], mesh, layout in BATCH_ON_MODEL, nodes=cost.nodes)
+    return make_plan(None, layout or "", [], mesh, layout in BATCH_ON_MODEL, nodes=cost.nodes,
+                     overrides=overrides if layout else ())
 
 
-def placement(cost: ModelCost, layout: str | None, mesh_shape: dict) -> list[LayerPlacement]:
+def placement(cost: ModelCost, layout: str | None, mesh_shape: dict, overrides=()) -> list[LayerPlacement]:
     """Per-layer work of one device: `layout=None` is a replicated model (single / data
     parallel), else a built-in policy name on the `batch x model` mesh `mesh_shape`.
 
     Raises UsageError when the layout cannot run the model (a split that does not divide, a
     weighted layer with no split-aware version receiving split activations).
     """
-    plan = plan_for(cost, layout, mesh_shape)
+    plan = plan_for(cost, layout, mesh_shape, overrides)
     m = plan.mesh["model"]
     out = []
     for layer, placed in zip(cost.layers, [p for p in plan.layers if p.node.inputs]):
@@ -184,7 +186,9 @@ def placement(cost: ModelCost, layout: str | None, mesh_shape: dict) -> list[Lay
     return out
 
 
-def memory_per_device(cost: ModelCost, layout: str | None, mesh_shape: dict, global_batch: int) -> dict:
+def memory_per_device(cost: ModelCost, layout: str | None, mesh_shape: dict, global_batch: int,
+                      overrides=()) -> dict:
     """`parallel/memory.py`'s bytes per device for the plan (one momentum slot per parameter,
     as the package's optimizer keeps)."""
-    return memory.bytes_per_device(plan_for(cost, layout, mesh_shape), global_batch, slots_per_parameter=1)
+    return memory.bytes_per_device(plan_for(cost, layout, mesh_shape, overrides), global_batch,
+                                   slots_per_parameter=1)

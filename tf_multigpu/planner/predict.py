@@ -60,7 +60,7 @@ from __future__ import annotations
 import dataclasses
 
 from tf_multigpu.errors import UsageError
-from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES
+from tf_multigpu.parallel.layouts import BATCH_ON_MODEL, POLICIES, assign_specs
 from tf_multigpu.parallel.mesh_spec import mesh_flag
 from tf_multigpu.parallel.split_conv import CHUNK_BYTES, row_chunks
 from tf_multigpu.planner import comm
@@ -113,6 +113,7 @@ class Plan:
     speedup: float = 0.0
     error: str = ""             # why the plan cannot run (then nothing else is set)
     algorithm: str = ""         # the gradient reduction's algorithm (planner/comm.py)
+    overrides: tuple = ()       # --layout_overrides rules (REGEX, SPEC) amending `layout`
 
     @property
     def devices(self) -> int:
@@ -138,6 +139,8 @@ class Plan:
         out = f"--strategy={self.strategy}"
         if self.mesh:
             out += f" --mesh={self.mesh} --layout={self.layout}"
+        if self.mesh and self.overrides:
+            out += " --layout_overrides='" + ";".join(f"{regex}={spec}" for regex, spec in self.overrides) + "'"
         return out
 
     def to_dict(self) -> dict:
@@ -223,14 +226,16 @@ def op_count(layers, strategy: str) -> int:
 
 
 def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, strategy: str, b: int, m: int,
-                 layout: str, assumptions: Assumptions = Assumptions()) -> Plan:
-    """The prediction for one plan (a Plan with `error` set when it cannot run)."""
+                 layout: str, assumptions: Assumptions = Assumptions(), overrides=()) -> Plan:
+    """The prediction for one plan (a Plan with `error` set when it cannot run); `overrides`
+    (--layout_overrides, parsed) amend a model or hybrid plan's layout."""
     group_batch = global_batch // b
-    plan = Plan(strategy, b, m, layout, group_batch)
+    overrides = tuple(tuple(rule) for rule in overrides) if strategy in ("model", "hybrid") else ()
+    plan = Plan(strategy, b, m, layout, group_batch, overrides=overrides)
     if global_batch % b:
         return dataclasses.replace(plan, error=f"global batch {global_batch} does not divide by {b} replicas")
     try:
-        layers = placement(cost, layout or None, {"batch": b, "model": m})
+        layers = placement(cost, layout or None, {"batch": b, "model": m}, overrides)
     except UsageError as e:
         return dataclasses.replace(plan, error=str(e))
     # split convolutions run the group's whole batch (their filters are split, not their rows)
@@ -285,7 +290,7 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
     exposed = act_s + (1 - assumptions.grad_overlap) * grad_s
     input_s = global_batch / profile.input_images_per_s if profile.input_images_per_s else 0.0
     step = compute + exposed + input_s if profile.input_shares_cores else max(compute + exposed, input_s)
-    memory = memory_per_device(cost, layout or None, {"batch": b, "model": m}, global_batch)
+    memory = memory_per_device(cost, layout or None, {"batch": b, "model": m}, global_batch, overrides)
     fits = memory["total"] <= assumptions.memory_fraction * profile.memory_bytes
     binding = ("memory" if not fits else "input" if input_s > max(compute, exposed)
                else "compute" if compute >= exposed else "communication")
@@ -325,11 +330,15 @@ class PlanTable:
 
 
 def plan_table(cost: ModelCost, profile: DeviceProfile, num_devices: int, global_batch: int,
-               assumptions: Assumptions = Assumptions()) -> PlanTable:
-    """Predicts every candidate plan on `num_devices` and ranks them."""
+               assumptions: Assumptions = Assumptions(), overrides=()) -> PlanTable:
+    """Predicts every candidate plan on `num_devices` and ranks them; `overrides`
+    (--layout_overrides, parsed) amend every model and hybrid plan's layout."""
     if num_devices < 1:
         raise UsageError(f"cannot plan for {num_devices} devices: give --num_devices >= 1")
-    plans = [predict_plan(cost, profile, global_batch, *c, assumptions) for c in candidates(num_devices)]
+    if overrides:   # a rule that matches no variable is the user's mistake in every plan: say it once
+        assign_specs({p: s for n in cost.nodes for p, s in n.weights.items()}, overrides, {"batch": 1, "model": 1},
+                     flag="--layout_overrides rule")
+    plans = [predict_plan(cost, profile, global_batch, *c, assumptions, overrides) for c in candidates(num_devices)]
     ok = [p for p in plans if not p.error]
     single = next((p for p in ok if p.strategy == "single"), None)
     ok = [dataclasses.replace(p, speedup=single.step_time_s / p.step_time_s if single and p.step_time_s else 0.0)
