@@ -40,6 +40,7 @@ from tf_multigpu.compat import all_layers, keras_name_scope_path
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel import split_layers, split_layers_modern
 from tf_multigpu.parallel.layouts import UNSPLIT
+from tf_multigpu.parallel.lean_batchnorm import lean_batch_norm
 from tf_multigpu.parallel.placement import CHANNELS, PlacementPlan, make_plan
 from tf_multigpu.parallel.stateless_dropout import replaced as dropout_replaced
 from tf_multigpu.parallel.stateless_dropout import stateless_dropout
@@ -292,7 +293,8 @@ class DTensorParallelism:
             if placed.impl:
                 new = _implementation(placed.impl, type(layer)).from_config(layer.get_config())
             else:
-                new = stateless_dropout(layer)   # Dropout -> StatelessDropout, else a fresh copy
+                # Dropout -> StatelessDropout, BatchNormalization -> LeanBatchNormalization, else a fresh copy
+                new = lean_batch_norm(stateless_dropout(layer))
                 if not gathers_logits:
                     return new
             if gathers_logits:

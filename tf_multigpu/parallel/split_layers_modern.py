@@ -223,7 +223,7 @@ def _tap_weight_grads(x, dy, kernel_size, strides, padding):
     model 1x2 mesh: each depthwise layer's padded input alive at the backward's peak).
     """
     (kh, kw), (sh, sw) = kernel_size, strides
-    x = x * _one_after(dy, x)   # exact: x * 1, after dy
+    x = x * one_after(dy, x)   # exact: x * 1, after dy
     phases, oh, ow = _phase_view(x, kernel_size, strides, padding)
     hs, ws, rest = phases.shape[1], phases.shape[3], list(phases.shape[5:])
     dy_rest = [[0, 0]] * (len(dy.shape) - 3)
@@ -239,14 +239,15 @@ def _tap_weight_grads(x, dy, kernel_size, strides, padding):
     return tf.reduce_sum(tf.concat(partial, axis=1), axis=0)
 
 
-def _one_after(t, like):
-    """A 1 of `like`'s dtype, [B, 1, 1, ...] against `like`, that cannot be computed before t:
-    t's first pixel compared with +inf (nothing, not even NaN, exceeds it, so no optimiser
+def one_after(t, like):
+    """A 1 of `like`'s dtype, [B, 1, 1, ...] against `like` (an image; [B, ...] otherwise), that
+    cannot be computed before t: t's first pixel compared with +inf (nothing, not even NaN, exceeds it, so no optimiser
     folds it). A data dependency, since DTensor's SPMD expansion drops control edges; one per
     example and channel, reduced over no sharded axis, so without a collective (split_conv's
     `_zero_from` sums to a scalar, a 4-byte all-reduce on a mesh)."""
-    first = t[:, :1, :1]
-    extra = [d for d in range(3, first.shape.rank) if like.shape[d] == 1 and first.shape[d] != 1]
+    spatial = min(3, t.shape.rank - 1)   # [B, H, W, C, ...]: H and W; [B, C]: none
+    first = tf.slice(t, [0] * t.shape.rank, [-1] + [1] * (spatial - 1) + [-1] * (t.shape.rank - spatial))
+    extra = [d for d in range(spatial, first.shape.rank) if like.shape[d] == 1 and first.shape[d] != 1]
     if extra:   # a depth multiplier: t has it, `like` broadcasts over it
         first = tf.reduce_max(first, axis=extra, keepdims=True)
     return 1 - tf.cast(first > float("inf"), like.dtype)
