@@ -30,10 +30,16 @@ Counted from the placement plan, per device:
                           backward re-slices the window taps from the input); a layer no
                           gradient passes through (before the first weights) keeps nothing;
   input                   the input batch (1/M of it under conv_data_fc_model);
-  transient               the largest working set of one layer's backward beyond the above
-                          (its input gradient, whole where the input is gathered, and its
-                          output gradient at once; for a SeparableConv2D, its depthwise
-                          output's gradient too);
+  transient               the largest working set of one layer's backward beyond what is
+                          still kept when it runs: the backward frees each layer's kept
+                          tensors once it has run, so an early layer's working set comes
+                          on top of the early layers' tensors only (the largest of kept up
+                          to the layer + its working set, less all activations). A layer's
+                          working set: its input gradient (whole where the input is
+                          gathered) and its output gradient, twice where an activation is
+                          inside the layer; for a SeparableConv2D, its depthwise output's
+                          gradient too; for a layer whose window runs as window_sum, its
+                          kh*kw taps and padded tensors (`_window_elems`);
   update                  the optimizer's temporaries: the decayed gradient and the new
                           velocity, 2 x the slot shards (1 x the gradients, the scaled gradient,
                           without momentum; with sharded slots, also the new velocity gathered
@@ -116,7 +122,32 @@ def transient_elems(plan: PlacementPlan, layer) -> int:
     if not node.inputs:
         return 0
     dx = node.in_elems if layer.gathers else _input_elems(plan, layer)
-    return node.out_elems // plan.share(layer.out_layout) + dx + _depthwise_elems(plan, layer)
+    out = node.out_elems // plan.share(layer.out_layout)
+    # an activation inside the layer: the gradient below it is a second output-sized tensor
+    # (small_convnet, batch 1024: the estimate met the allocator's peak, 69 MiB, with it)
+    activation = out if node.config.get("activation", "linear") not in ("linear", None) else 0
+    return out + activation + dx + _depthwise_elems(plan, layer) + _window_elems(plan, layer)
+
+
+# The split-aware layers whose depthwise (or average) window runs as window_sum
+# (split_layers_modern.py), and the input-sized tensors beside its taps that its backward
+# makes at once: the padded output gradient, and where it has weights the padded input.
+_WINDOW_SUM = {"SplitDepthwiseConv2D": 2, "SplitSeparableConv2D": 2, "FilterSplitSeparableConv2D": 2,
+               "SliceAvgPool2D": 1}
+
+
+def _window_elems(plan: PlacementPlan, layer) -> int:
+    """window_sum's backward transient: its kh*kw flipped taps of the output gradient, each
+    the size of its input, made at once (their AddN takes them all; DTensor drops the control
+    edges that could order them, and a data edge costs a collective per tap), and the padded
+    tensors beside them (measured with xprof's memory profile on a model 1x2 mesh: 9 taps,
+    the padded dy and the padded x of one depthwise 3x3 layer alive at the peak)."""
+    extra = _WINDOW_SUM.get(layer.impl)
+    if extra is None or not plan.layout:   # a replicated model runs the stock layers
+        return 0
+    kh, kw = layer.node.config.get("kernel_size") or layer.node.config["pool_size"]
+    x = layer.node.in_elems if layer.gathers else _input_elems(plan, layer)
+    return (kh * kw + extra) * x
 
 
 def _input_elems(plan: PlacementPlan, layer) -> int:
@@ -149,8 +180,15 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
     # one process' tf.distribute data parallelism (a replicated plan) packs all gradients
     packed = not plan.layout and plan.mesh["batch"] > 1
     buffers = 2 * grads if packed else reduced
-    activations = sum(saved_elems(plan).values()) * group_batch
-    transient = max(transient_elems(plan, layer) for layer in plan.layers) * group_batch
+    saved = saved_elems(plan)
+    activations = sum(saved.values()) * group_batch
+    # The backward runs the layers last to first and frees what each kept once it has run:
+    # a layer's working set comes on top of what it and the layers before it keep.
+    kept_before, peak = 0, 0
+    for layer in plan.layers:
+        kept_before += saved[layer.name]
+        peak = max(peak, kept_before + transient_elems(plan, layer))
+    transient = peak * group_batch - activations
     first = plan.layers[0]
     out = {"parameters": params * BYTES_PER_VALUE, "gradients": grads * BYTES_PER_VALUE,
            "optimizer_slots": slots * slots_per_parameter * BYTES_PER_VALUE,
