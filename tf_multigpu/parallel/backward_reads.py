@@ -97,6 +97,11 @@ _OPERATIONS = {
 }
 
 
+def has_inner_activation(node) -> bool:
+    """A convolution or dense layer with a non-linear `activation` of its own."""
+    return issubclass(node.cls, _WEIGHTED) and node.config.get("activation", "linear") not in ("linear", None)
+
+
 def activation_reads(name) -> Reads:
     """An activation function's reads; a user's function (a serialised dict) is unknown."""
     return ACTIVATIONS.get(name, UNKNOWN) if isinstance(name, str) else UNKNOWN

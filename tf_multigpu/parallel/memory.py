@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tf_multigpu.parallel.backward_reads import NOTHING, Reads, layer_reads
+from tf_multigpu.parallel.backward_reads import NOTHING, Reads, has_inner_activation, layer_reads
 from tf_multigpu.parallel.placement import BYTES_PER_VALUE, WHOLE, PlacementPlan
 
 # Decoded batches the training input pipeline holds at once (see the docstring).
@@ -125,7 +125,7 @@ def transient_elems(plan: PlacementPlan, layer) -> int:
     out = node.out_elems // plan.share(layer.out_layout)
     # an activation inside the layer: the gradient below it is a second output-sized tensor
     # (small_convnet, batch 1024: the estimate met the allocator's peak, 69 MiB, with it)
-    activation = out if node.config.get("activation", "linear") not in ("linear", None) else 0
+    activation = out if has_inner_activation(node) else 0
     return out + activation + dx + _depthwise_elems(plan, layer) + _window_elems(plan, layer)
 
 
