@@ -9,6 +9,7 @@ import os
 import shutil
 import textwrap
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -33,6 +34,18 @@ def _build(devices, model, dataset, layout="filter_split", strategy="model", mes
     run = build_run(Config(strategy=strategy, model=model, dataset=dataset, batch_size=32, steps=10,
                            mesh=mesh, layout=layout), devices[:n])
     return run.par, run.model, run.optimizer
+
+
+@pytest.mark.in_process_mesh
+def test_a_mesh_runs_batch_norm_as_the_lean_layer(devices):
+    """Every stock BatchNormalization of a model- or hybrid-parallel model runs as
+    LeanBatchNormalization (parallel/lean_batchnorm.py), with the stock layer's config."""
+    from tf_multigpu.parallel.lean_batchnorm import LeanBatchNormalization
+    par, model, optimizer = _build(devices, "tests.user_models:batchnorm_variants", "synthetic", n=2,
+                                   mesh="batch:1,model:2")
+    norms = [layer for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization)]
+    assert [type(layer) for layer in norms] == [LeanBatchNormalization] * 3
+    assert [(layer.scale, layer.center) for layer in norms] == [(False, True), (True, False), (False, False)]
 
 
 @pytest.mark.in_process_mesh

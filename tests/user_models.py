@@ -259,3 +259,17 @@ def odd_stem_convnet(input_shape, num_classes, **_):
     x = L.Conv2D(8, 3, padding="same", name="conv")(L.BatchNormalization(name="sep_bn")(x))
     x = L.GlobalAveragePooling2D(name="gap")(x)
     return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="odd_stem_convnet")
+
+
+def batchnorm_variants(input_shape, num_classes, **_):
+    """BatchNorms without scale (InceptionV3's conv2d_bn), without center, and without
+    either, on split channels: on a mesh each runs as LeanBatchNormalization."""
+    L = keras.layers
+    x = inputs = keras.Input(input_shape)
+    x = L.Conv2D(8, 3, padding="same", use_bias=False, name="c1")(x)
+    x = L.ReLU(name="r1")(L.BatchNormalization(scale=False, name="bn_no_scale")(x))
+    x = L.Conv2D(8, 3, padding="same", use_bias=False, name="c2")(x)
+    x = L.ReLU(name="r2")(L.BatchNormalization(center=False, name="bn_no_center")(x))
+    x = L.BatchNormalization(scale=False, center=False, name="bn_neither")(L.Conv2D(8, 3, padding="same", name="c3")(x))
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="batchnorm_variants")
