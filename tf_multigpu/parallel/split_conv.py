@@ -235,26 +235,23 @@ def _conv_s1(x, w, pads, need_input_grad: bool, chunk_bytes: int, batch_groups: 
             # communication report cannot tell the layer, nor that they are backward (it reads
             # "gradient_tape" or "/activation_gradients/" in a collective's name).
             with tf.name_scope(f"{scope}/activation_gradients/" if scope else "activation_gradients"):
-                return _grad(dy)
-
-        def _grad(dy):
-            parts = _map_chunks(lambda r0, r1, p: _weight_grad_part(p, dy[:, r0:r1], batch_groups),
-                                flat_padded(x), wp, kh, kw, ow, y_chunks, after=dy)  # not during the forward
-            dw = tf.add_n(parts)
-            dw = tf.reshape(tf.reduce_sum(dw, axis=0) if batch_groups > 1 else dw, [kh, kw, c, o])
-            if not need_input_grad:
-                return None, dw
-            # dx[b,r,q,:] = sum_{i,j,d} dy[b, r+pt-i, q+pl-j, d] * w[i,j,:,d] (dy = 0 outside):
-            # pad dy so that tap (i, j) of output pixel (r, q) sits at (r + kh-1-i, q + kw-1-j),
-            # i.e. an im2col of the padded dy with flipped taps, only at x's own pixels.
-            dyp = tf.pad(dy, [[0, 0], [kh - 1 - pt, kh - 1 - pb], [kw - 1 - pl, kw - 1 - pr], [0, 0]])
-            dwp = wd + kw - 1
-            flat = tf.reshape(dyp, [-1, (h + kh - 1) * dwp, o])
-            w3 = tf.reshape(w, [kh * kw, c, o])
-            x_chunks = row_chunks(h, batch * wd * kh * kw * o * isize, chunk_bytes)
-            dxs = _map_chunks(lambda r0, r1, q: tf.einsum("bhwkd,kcd->bhwc", q, w3),  # o sharded: an all-reduce
-                              flat, dwp, kh, kw, wd, x_chunks, flip=True)                  # per chunk
-            return (tf.concat(dxs, axis=1) if len(dxs) > 1 else dxs[0]), dw
+                parts = _map_chunks(lambda r0, r1, p: _weight_grad_part(p, dy[:, r0:r1], batch_groups),
+                                    flat_padded(x), wp, kh, kw, ow, y_chunks, after=dy)  # not during the forward
+                dw = tf.add_n(parts)
+                dw = tf.reshape(tf.reduce_sum(dw, axis=0) if batch_groups > 1 else dw, [kh, kw, c, o])
+                if not need_input_grad:
+                    return None, dw
+                # dx[b,r,q,:] = sum_{i,j,d} dy[b, r+pt-i, q+pl-j, d] * w[i,j,:,d] (dy = 0 outside):
+                # pad dy so that tap (i, j) of output pixel (r, q) sits at (r + kh-1-i, q + kw-1-j),
+                # i.e. an im2col of the padded dy with flipped taps, only at x's own pixels.
+                dyp = tf.pad(dy, [[0, 0], [kh - 1 - pt, kh - 1 - pb], [kw - 1 - pl, kw - 1 - pr], [0, 0]])
+                dwp = wd + kw - 1
+                flat = tf.reshape(dyp, [-1, (h + kh - 1) * dwp, o])
+                w3 = tf.reshape(w, [kh * kw, c, o])
+                x_chunks = row_chunks(h, batch * wd * kh * kw * o * isize, chunk_bytes)
+                dxs = _map_chunks(lambda r0, r1, q: tf.einsum("bhwkd,kcd->bhwc", q, w3),  # o sharded: an all-reduce
+                                  flat, dwp, kh, kw, wd, x_chunks, flip=True)                  # per chunk
+                return (tf.concat(dxs, axis=1) if len(dxs) > 1 else dxs[0]), dw
 
         return y, grad
 

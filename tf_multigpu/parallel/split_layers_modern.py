@@ -240,11 +240,12 @@ def _tap_weight_grads(x, dy, kernel_size, strides, padding):
 
 
 def one_after(t, like):
-    """A 1 of `like`'s dtype, [B, 1, 1, ...] against `like` (an image; [B, ...] otherwise), that
-    cannot be computed before t: t's first pixel compared with +inf (nothing, not even NaN, exceeds it, so no optimiser
-    folds it). A data dependency, since DTensor's SPMD expansion drops control edges; one per
-    example and channel, reduced over no sharded axis, so without a collective (split_conv's
-    `_zero_from` sums to a scalar, a 4-byte all-reduce on a mesh)."""
+    """A 1 of `like`'s dtype, [B, 1, 1, ...] against `like` (an image; [B, ...] otherwise),
+    that cannot be computed before t: t's first pixel compared with +inf (nothing, not even
+    NaN, exceeds it, so no optimiser folds it). A data dependency, since DTensor's SPMD
+    expansion drops control edges; one per example and channel, reduced over no sharded
+    axis, so without a collective (split_conv's `_zero_from` sums to a scalar, a 4-byte
+    all-reduce on a mesh)."""
     spatial = min(3, t.shape.rank - 1)   # [B, H, W, C, ...]: H and W; [B, C]: none
     first = tf.slice(t, [0] * t.shape.rank, [-1] + [1] * (spatial - 1) + [-1] * (t.shape.rank - spatial))
     extra = [d for d in range(spatial, first.shape.rank) if like.shape[d] == 1 and first.shape[d] != 1]
