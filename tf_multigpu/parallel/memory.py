@@ -39,7 +39,7 @@ Counted from the placement plan, per device:
                           gathered) and its output gradient, twice where an activation is
                           inside the layer; for a SeparableConv2D, its depthwise output's
                           gradient too; for a layer whose window runs as window_sum, its
-                          kh*kw taps and padded tensors (`_window_elems`);
+                          padded dy and one tap (`_window_elems`);
   update                  the optimizer's temporaries: the decayed gradient and the new
                           velocity, 2 x the slot shards (1 x the gradients, the scaled gradient,
                           without momentum; with sharded slots, also the new velocity gathered
@@ -130,24 +130,19 @@ def transient_elems(plan: PlacementPlan, layer) -> int:
 
 
 # The split-aware layers whose depthwise (or average) window runs as window_sum
-# (split_layers_modern.py), and the input-sized tensors beside its taps that its backward
-# makes at once: the padded output gradient, and where it has weights the padded input.
-_WINDOW_SUM = {"SplitDepthwiseConv2D": 2, "SplitSeparableConv2D": 2, "FilterSplitSeparableConv2D": 2,
-               "SliceAvgPool2D": 1}
+# (split_layers_modern.py).
+_WINDOW_SUM = {"SplitDepthwiseConv2D", "SplitSeparableConv2D", "FilterSplitSeparableConv2D", "SliceAvgPool2D"}
 
 
 def _window_elems(plan: PlacementPlan, layer) -> int:
-    """window_sum's backward transient: its kh*kw flipped taps of the output gradient, each
-    the size of its input, made at once (their AddN takes them all; DTensor drops the control
-    edges that could order them, and a data edge costs a collective per tap), and the padded
-    tensors beside them (measured with xprof's memory profile on a model 1x2 mesh: 9 taps,
-    the padded dy and the padded x of one depthwise 3x3 layer alive at the peak)."""
-    extra = _WINDOW_SUM.get(layer.impl)
-    if extra is None or not plan.layout:   # a replicated model runs the stock layers
+    """window_sum's backward transient beside dy and dx: the padded (for a stride, dilated) dy
+    and one tap with its product, 2 input-sized tensors. Its sums run one tap at a time
+    (`_tap_sum`); measured, fwd+bwd of one layer, allocator peak in input maps: depthwise 3x3/1
+    5.8 (input, output, dy, dx and 1.8), 3x3/2 3.8, average 3x3 3.7 (each 8.3-16.8 when the kh*kw
+    taps were made at once)."""
+    if layer.impl not in _WINDOW_SUM or not plan.layout:   # a replicated model runs the stock layers
         return 0
-    kh, kw = layer.node.config.get("kernel_size") or layer.node.config["pool_size"]
-    x = layer.node.in_elems if layer.gathers else _input_elems(plan, layer)
-    return (kh * kw + extra) * x
+    return 2 * (layer.node.in_elems if layer.gathers else _input_elems(plan, layer))
 
 
 def _input_elems(plan: PlacementPlan, layer) -> int:

@@ -135,7 +135,8 @@ def _phase_view(x, kernel_size, strides, padding, pad_value=0.0):
 
 
 def _tap_reader(x, kernel_size, strides, padding, pad_value=0.0):
-    """A function t -> the t-th tap of `_taps`, so a caller can slice one tap at a time.
+    """A function t -> the t-th tap of `_taps`, so a caller can slice one tap at a time; t is a
+    Python int or a scalar int32 tensor (a tf.while_loop's counter).
 
     A strided window is read through the stride-phase view [B, H/sh, sh, W/sw, sw, ...] (a
     reshape), where every tap is a unit-stride slice: TensorFlow's CPU StridedSlice with
@@ -144,17 +145,40 @@ def _tap_reader(x, kernel_size, strides, padding, pad_value=0.0):
     kw, (sh, sw) = kernel_size[1], strides
     if sh == sw == 1:
         x, oh, ow = _padded(x, kernel_size, strides, padding, pad_value)
-        return lambda t: x[:, t // kw:t // kw + oh, t % kw:t % kw + ow]
+        rest = list(x.shape[3:])
+        return _slicer(x, lambda i, j: [0, i, j], [oh, ow], rest, lambda tap: tap, kw)
     x, oh, ow = _phase_view(x, kernel_size, strides, padding, pad_value)
     rest = list(x.shape[5:])
+    # tf.slice + reshape: an integer index (a shrink-axis strided slice) silently replicates a
+    # channel-split tensor under DTensor.
+    return _slicer(x, lambda i, j: [0, i // sh, i % sh, j // sw, j % sw], [oh, 1, ow, 1], rest,
+                   lambda tap: tf.reshape(tap, [-1, oh, ow, *rest]), kw)
+
+
+def _slicer(x, begin, size, rest, view, kw):
+    """t -> view(x's slice at begin(i, j) of `size` (H, W dims), t = i * kw + j), whole on the
+    batch and `rest` dims. Their sizes are given, not -1: DTensor keeps a sharded dimension of
+    a slice whose begin is a tensor only where the size is the dimension's whole (global) size
+    (slice_spmd_expander.cc); -1 would gather the batch on every tap of a hybrid mesh."""
+    whole = [x.shape[0] if x.shape[0] is not None else -1]
 
     def read(t):
-        i, j = divmod(t, kw)
-        # tf.slice + reshape: an integer index (a shrink-axis strided slice) silently
-        # replicates a channel-split tensor under DTensor.
-        return tf.reshape(tf.slice(x, [0, i // sh, i % sh, j // sw, j % sw] + [0] * len(rest),
-                                   [-1, oh, 1, ow, 1, *rest]), [-1, oh, ow, *rest])
+        i, j = t // kw, t % kw
+        start = begin(i, j) + [0] * len(rest)
+        start = tf.stack(start) if isinstance(t, tf.Tensor) else start
+        return view(tf.slice(x, start, whole + size + rest))
     return read
+
+
+def _tap_sum(term, n):
+    """sum over t < n of term(t), one term alive at a time: a tf.while_loop whose iterations
+    run in turn. Unrolled, every tap's slice depends on x alone, so TensorFlow's executor runs
+    them all as soon as x exists and the sum holds n tap-sized tensors (measured: a depthwise
+    3x3 layer's fwd+bwd peaked at 12-17 input maps, 2.4 for the stock op); DTensor's SPMD
+    expansion drops the control edges that could order them."""
+    _, total = tf.while_loop(lambda t, _: t < n, lambda t, acc: (t + 1, acc + term(t)),
+                             (tf.constant(1), term(0)), parallel_iterations=1)
+    return total
 
 
 def window_sum(x, weights, kernel_size, strides, padding):
@@ -165,19 +189,20 @@ def window_sum(x, weights, kernel_size, strides, padding):
     of the strided slices would build one full-size StridedSliceGrad tensor per tap (measured
     15x-66x the stock op's time); instead dx is the adjoint as a stride-1 correlation of the dilated,
     padded dy with the flipped taps (plain slices again), and dweights one reduction per tap.
-    Every op slices or reduces H, W or the batch only, so a channel sharding is kept and the
-    only collective is the batch all-reduce of dweights (summed once, not per tap).
+    Every sum runs tap by tap (`_tap_sum`). Every op slices or reduces H, W or the batch only,
+    so a channel sharding is kept and the only collective is the batch all-reduce of dweights
+    (summed once, not per tap).
     """
     (kh, kw), (sh, sw) = kernel_size, strides
     h, w = x.shape[1], x.shape[2]
     (pt, _), (pl, _) = _pads(x, kernel_size, strides, padding)
-    ones = weights is None
+    ones, n = weights is None, kh * kw
+
+    def weighted(read):
+        return read if ones else lambda t: read(t) * tf.gather(weights, t)
 
     def forward(x, weights):
-        taps = _taps(x, kernel_size, strides, padding)
-        per_tap = None if ones else [tf.squeeze(t, 0) for t in tf.split(weights, kh * kw, axis=0)]
-        y = tf.add_n(taps if ones else [t * wt for t, wt in zip(taps, per_tap)])
-        del taps   # the backward reads x, never the taps (see _tap_weight_grads)
+        y = _tap_sum(weighted(_tap_reader(x, kernel_size, strides, padding)), n)
 
         def grad(dy):
             oh, ow, rest = dy.shape[1], dy.shape[2], list(dy.shape[3:])
@@ -188,14 +213,14 @@ def window_sum(x, weights, kernel_size, strides, padding):
                 d = tf.reshape(d, [-1, oh * sh, ow * sw, *rest])
             d = tf.pad(d, [[0, 0], [kh - 1, max(0, pt + h - oh * sh)], [kw - 1, max(0, pl + w - ow * sw)]]
                        + [[0, 0]] * len(rest))
-            flipped = [d[:, pt + kh - 1 - i:pt + kh - 1 - i + h, pl + kw - 1 - j:pl + kw - 1 - j + w]
-                       for i in range(kh) for j in range(kw)]
+            # tap t of the adjoint: the flipped window's slice, tap (kh-1-i, kw-1-j) of d
+            flipped = _slicer(d, lambda i, j: [0, pt + kh - 1 - i, pl + kw - 1 - j], [h, w], rest, lambda f: f, kw)
+            dx = _tap_sum(weighted(flipped), n)
             if ones:
-                return tf.add_n(flipped), None
-            dx = tf.add_n([f * wt for f, wt in zip(flipped, per_tap)])
+                return dx, None
             if dx.shape.rank > x.shape.rank or dx.shape[-1] != x.shape[-1]:   # a multiplier broadcast x
                 dx = tf.reduce_sum(dx, axis=-1, keepdims=True)
-            return dx, _tap_weight_grads(x, dy, kernel_size, strides, padding)
+            return dx, _tap_weight_grads(x, dy, dx, kernel_size, strides, padding)
 
         return y, grad
 
@@ -210,33 +235,25 @@ def window_sum(x, weights, kernel_size, strides, padding):
     return pool(x)
 
 
-def _tap_weight_grads(x, dy, kernel_size, strides, padding):
+def _tap_weight_grads(x, dy, after, kernel_size, strides, padding):
     """[kh*kw, ...]: for each tap t, sum over the batch and the output positions of
-    tap_t(x) * dy -- the gradient of window_sum's per-tap weights.
+    tap_t(x) * dy -- the gradient of window_sum's per-tap weights -- one tap at a time.
 
-    Computed from x's stride phases times dy shifted into the phase grid (a pad of dy per
-    tap), not from the taps: slices of x alone would depend on x only, so TensorFlow's
-    executor may run them as soon as x exists, in the forward, and hold kh*kw output-sized
-    tensors per layer until the backward (measured: +9 outputs per depthwise 3x3 layer in the
-    allocator's peak, as if the forward's taps were kept). Every tensor here depends on dy:
-    so does x's padding, which would otherwise be made in the forward and held (measured on a
-    model 1x2 mesh: each depthwise layer's padded input alive at the backward's peak).
+    x is first multiplied by a 1 made from `after` (dx): without it, x's padding and the loop's
+    first tap depend on x alone, so the executor would make them in the forward and hold them
+    to the backward (measured on a model 1x2 mesh: each depthwise layer's padded input alive
+    at the backward's peak), and the loop would run beside dx's, both working sets at once.
+    The taps' sums stay per example, [B, kh*kw, ...], so that the batch is reduced (on a
+    hybrid mesh, all-reduced) once for all taps.
     """
-    (kh, kw), (sh, sw) = kernel_size, strides
-    x = x * one_after(dy, x)   # exact: x * 1, after dy
-    phases, oh, ow = _phase_view(x, kernel_size, strides, padding)
-    hs, ws, rest = phases.shape[1], phases.shape[3], list(phases.shape[5:])
-    dy_rest = [[0, 0]] * (len(dy.shape) - 3)
-    partial = []
-    for t in range(kh * kw):
-        i, j = divmod(t, kw)
-        phase = tf.reshape(tf.slice(phases, [0, 0, i % sh, 0, j % sw] + [0] * len(rest), [-1, hs, 1, ws, 1, *rest]),
-                           [-1, hs, ws, *rest])
-        shifted = tf.pad(dy, [[0, 0], [i // sh, hs - oh - i // sh], [j // sw, ws - ow - j // sw], *dy_rest])
-        # [B, 1, ...] per tap. expand_dims, not [:, None]: that strided slice segfaults
-        # DTensor's SPMD expansion (TF 2.21) on a channel-split tensor.
-        partial.append(tf.expand_dims(tf.reduce_sum(phase * shifted, axis=[1, 2]), 1))
-    return tf.reduce_sum(tf.concat(partial, axis=1), axis=0)
+    n = kernel_size[0] * kernel_size[1]
+    read = _tap_reader(x * one_after(after, x), kernel_size, strides, padding)   # exact: x * 1
+
+    def term(t):
+        part = tf.expand_dims(tf.reduce_sum(read(t) * dy, axis=[1, 2]), 1)      # [B, 1, ...]
+        return part * tf.reshape(tf.one_hot(t, n, dtype=part.dtype), [1, n] + [1] * (part.shape.rank - 2))
+
+    return tf.reduce_sum(_tap_sum(term, n), axis=0)
 
 
 def one_after(t, like):
