@@ -174,6 +174,7 @@ USER_MODELS = [
     ("tests.user_models:applications_idioms", "hybrid", "batch:2,model:2", "filter_split,fc_only"),
     ("tests.user_models:separable_convnet", "model", "batch:1,model:4", "filter_split,fc_only"),
     ("tests.user_models:batchnorm_variants", "hybrid", "batch:2,model:2", "filter_split"),
+    ("tests.user_models:grouped_convnet", "hybrid", "batch:2,model:2", "filter_split"),
 ]
 
 

@@ -309,6 +309,30 @@ def test_slice_max_pool_backward_keeps_only_its_input_and_output():
     assert len(kept) <= 2, f"the backward reads more than x and y of the forward: {sorted(kept)}"
 
 
+def test_grouped_conv_backward_keeps_its_input_not_its_taps():
+    """The gradient reads x and the kernel of the forward: autodiff of the per-tap einsums kept
+    all kh*kw taps (a ResNeXt-like model's model 1x2 allocator peak: 1,002 MiB, 529 MiB
+    without)."""
+    layer = M.SplitGroupedConv2D(8, 3, groups=4, padding="same", use_bias=False)
+    shape = (2, 9, 9, 8)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            with tf.name_scope("conv"):
+                y = layer(x)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, [x, *layer.trainable_weights])
+
+    graph = tf.function(step).get_concrete_function(tf.TensorSpec(shape)).graph
+    ops = graph.get_operations()
+    first_backward = next(i for i, op in enumerate(ops) if op.name.startswith("gradient_tape"))
+    forward = {op.name for op in ops[:first_backward] if op.name.startswith("conv/")}
+    maps = sorted({t.name for op in ops[first_backward:] for t in op.inputs
+                   if t.op.name in forward and t.shape.num_elements() >= np.prod(shape)})
+    assert len(maps) == 1, f"the backward reads more input-sized tensors of the forward than x: {maps}"
+
+
 _WINDOW_PEAK = """
 import json, sys
 import tensorflow as tf

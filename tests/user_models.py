@@ -273,3 +273,18 @@ def batchnorm_variants(input_shape, num_classes, **_):
     x = L.BatchNormalization(scale=False, center=False, name="bn_neither")(L.Conv2D(8, 3, padding="same", name="c3")(x))
     x = L.GlobalAveragePooling2D(name="gap")(x)
     return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="batchnorm_variants")
+
+
+def grouped_convnet(input_shape, num_classes, **_):
+    """Grouped convolutions as ResNeXt and RegNet have them (1x1 -> grouped 3x3 -> 1x1 with a
+    residual Add, and a strided grouped 3x3): SplitGroupedConv2D on a mesh, whose sums run tap
+    by tap through window_sum."""
+    L = keras.layers
+    x = inp = keras.Input(input_shape)
+    x = L.ReLU()(L.BatchNormalization(name="stem_bn")(L.Conv2D(16, 3, padding="same", use_bias=False, name="stem")(x)))
+    y = L.Conv2D(16, 1, name="reduce")(x)
+    y = L.Conv2D(16, 3, padding="same", groups=4, activation="relu", name="grouped")(y)
+    x = L.Add(name="add")([x, L.Conv2D(16, 1, name="expand")(y)])
+    x = L.Conv2D(32, 3, strides=2, groups=8, name="grouped_strided")(x)
+    x = L.GlobalAveragePooling2D(name="pool")(x)
+    return keras.Model(inp, L.Dense(num_classes, name="predictions")(x), name="grouped_convnet")

@@ -129,20 +129,24 @@ def transient_elems(plan: PlacementPlan, layer) -> int:
     return out + activation + dx + _depthwise_elems(plan, layer) + _window_elems(plan, layer)
 
 
-# The split-aware layers whose depthwise (or average) window runs as window_sum
-# (split_layers_modern.py).
-_WINDOW_SUM = {"SplitDepthwiseConv2D", "SplitSeparableConv2D", "FilterSplitSeparableConv2D", "SliceAvgPool2D"}
+# The split-aware layers that run as window_sum (split_layers_modern.py), and the input-sized
+# tensors beside dy and dx that its backward holds at once (`_window_elems`).
+_WINDOW_SUM = {"SplitDepthwiseConv2D": 2, "SplitSeparableConv2D": 2, "FilterSplitSeparableConv2D": 2,
+               "SliceAvgPool2D": 2, "SplitGroupedConv2D": 9}
 
 
 def _window_elems(plan: PlacementPlan, layer) -> int:
-    """window_sum's backward transient beside dy and dx: the padded (for a stride, dilated) dy
-    and one tap with its product, 2 input-sized tensors. Its sums run one tap at a time
-    (`_tap_sum`); measured, fwd+bwd of one layer, allocator peak in input maps: depthwise 3x3/1
-    5.8 (input, output, dy, dx and 1.8), 3x3/2 3.8, average 3x3 3.7 (each 8.3-16.8 when the kh*kw
-    taps were made at once)."""
-    if layer.impl not in _WINDOW_SUM or not plan.layout:   # a replicated model runs the stock layers
+    """window_sum's backward transient beside dy and dx. Its sums run one tap at a time
+    (`_tap_sum`); an elementwise window holds the padded (for a stride, dilated) dy and one
+    tap with its product: 2 input-sized tensors. A grouped convolution's einsums also transpose
+    each tap and product to and from group-major order: 9. Measured, fwd+bwd of one layer,
+    allocator peak in input maps: depthwise 3x3/1 5.8 (input, output, dy, dx and 1.8), 3x3/2
+    3.8, average 3x3 3.7 (8.3-16.8 when the kh*kw taps were made at once); grouped 3x3/1 12.9
+    and 3x3/2 12.4 (28x28x192, 8 groups)."""
+    extra = _WINDOW_SUM.get(layer.impl)
+    if extra is None or not plan.layout:   # a replicated model runs the stock layers
         return 0
-    return 2 * (layer.node.in_elems if layer.gathers else _input_elems(plan, layer))
+    return extra * (layer.node.in_elems if layer.gathers else _input_elems(plan, layer))
 
 
 def _input_elems(plan: PlacementPlan, layer) -> int:
