@@ -204,3 +204,8 @@ def test_a_layer_kept_whole_by_layout_overrides_steps_like_one_device():
                          "model=tests.user_models:odd_stem_convnet", "image_size=16", "batch=8", "float64=1",
                          "overrides=.*sep/pointwise_kernel=-,-,-,model")
     assert rows["conv_data_fc_model"]["max_update_difference"] <= FLOAT64_TOLERANCE, rows
+    # a grouped convolution kept whole on split channels gathers its input and runs whole
+    # (WholeGroupedConv2D); before, a whole grouped convolution failed on a CPU mesh
+    grouped = parity_result("model", "batch:1,model:2", "filter_split", 1, "model=tests.user_models:grouped_convnet",
+                            "image_size=16", "batch=8", "float64=1", "overrides=.*grouped/kernel=-,-,-,-")
+    assert grouped["filter_split"]["max_update_difference"] <= FLOAT64_TOLERANCE, grouped

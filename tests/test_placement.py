@@ -96,12 +96,19 @@ def test_grouped_and_separable_convolutions_on_split_channels_are_chosen_by_the_
     # on a whole input (nothing split upstream) both run as they are, replicated
     whole = make_plan(model, "filter_split", [(".*logits/kernel", "-,model"), (".*logits/bias", "model")],
                       {"batch": 1, "model": 2})
-    assert whole["grouped"].impl == "" and whole["sep"].impl == "SplitSeparableConv2D"
-    assert whole["grouped"].out_layout == WHOLE and not whole["sep"].collectives
-    with pytest.raises(UsageError, match="layer grouped has 2 groups, which do not divide by the 4 devices"):
-        make_plan(keras.Sequential([keras.Input((16, 16, 3)), L.Conv2D(8, 3, name="c1"),
-                                    L.Conv2D(8, 3, groups=2, name="grouped")]), "filter_split", [],
-                  {"batch": 1, "model": 4})
+    # (a grouped one as window_sum: TensorFlow's CPU kernels have no gradient for it on a mesh)
+    assert whole["grouped"].impl == "WholeGroupedConv2D" and whole["sep"].impl == "SplitSeparableConv2D"
+    assert whole["grouped"].out_layout == WHOLE and not whole["grouped"].collectives and not whole["sep"].collectives
+    odd = keras.Sequential([keras.Input((16, 16, 3)), L.Conv2D(8, 3, name="c1"),
+                            L.Conv2D(8, 3, groups=2, name="grouped")], name="odd")
+    with pytest.raises(UsageError, match=r"layer grouped has 2 groups, which do not divide by the 4 devices .*"
+                                         r"keep it whole: --layout_overrides='odd/grouped/kernel=-,-,-,-'$"):
+        make_plan(odd, "filter_split", [], {"batch": 1, "model": 4})
+    # kept whole as the refusal says: its split input is gathered, and it runs whole
+    kept = make_plan(odd, "filter_split", [], {"batch": 1, "model": 4},
+                     overrides=parse_rules("odd/grouped/kernel=-,-,-,-"))["grouped"]
+    assert kept.impl == "GatherWholeGroupedConv2D" and kept.in_layouts == (CHANNELS,) and kept.out_layout == WHOLE
+    assert [(c.op, c.axis, c.phase) for c in kept.collectives][:1] == [("all_gather", "model", "forward")]
 
 
 def test_filter_split_splits_separable_convolutions_on_filters_and_on_channels_in_turn():

@@ -278,10 +278,11 @@ def batchnorm_variants(input_shape, num_classes, **_):
 def grouped_convnet(input_shape, num_classes, **_):
     """Grouped convolutions as ResNeXt and RegNet have them (1x1 -> grouped 3x3 -> 1x1 with a
     residual Add, and a strided grouped 3x3): SplitGroupedConv2D on a mesh, whose sums run tap
-    by tap through window_sum."""
+    by tap through window_sum; and a grouped stem on the whole image (WholeGroupedConv2D)."""
     L = keras.layers
     x = inp = keras.Input(input_shape)
-    x = L.ReLU()(L.BatchNormalization(name="stem_bn")(L.Conv2D(16, 3, padding="same", use_bias=False, name="stem")(x)))
+    x = L.Conv2D(15, 3, padding="same", groups=3, use_bias=False, name="stem")(x)
+    x = L.ReLU()(L.BatchNormalization(name="stem_bn")(L.Conv2D(16, 1, use_bias=False, name="stem_mix")(x)))
     y = L.Conv2D(16, 1, name="reduce")(x)
     y = L.Conv2D(16, 3, padding="same", groups=4, activation="relu", name="grouped")(y)
     x = L.Add(name="add")([x, L.Conv2D(16, 1, name="expand")(y)])

@@ -290,8 +290,13 @@ class DTensorParallelism:
             if gathers_logits and not isinstance(layer, keras.layers.Layer):
                 raise UsageError(f"the model's output comes from a bare op ({layer.name}) on logits split over "
                                  "'model', which float64 cannot gather: end the model with a layer")
-            if placed.impl:
-                new = _implementation(placed.impl, type(layer)).from_config(layer.get_config())
+            impl = placed.impl
+            if impl.endswith("WholeGroupedConv2D") and self.mesh.device_type() != "CPU":
+                # A whole grouped convolution runs as window_sum only where TensorFlow's kernels
+                # have no gradient for it, on CPUs (split_layers_modern.WholeGroupedConv2D).
+                impl = f"Gather{type(layer).__name__}" if impl.startswith("Gather") else ""
+            if impl:
+                new = _implementation(impl, type(layer)).from_config(layer.get_config())
             else:
                 # Dropout -> StatelessDropout, BatchNormalization -> LeanBatchNormalization, else a fresh copy
                 new = lean_batch_norm(stateless_dropout(layer))
@@ -361,6 +366,8 @@ def _implementation(name: str, stock: type) -> type:
         return cls
     if name == f"Gather{stock.__name__}" and issubclass(stock, keras.layers.Layer):
         return type(name, (split_layers.GatherFirst, stock), {})
+    if name.startswith("Gather") and hasattr(split_layers_modern, name[len("Gather"):]):   # e.g. a whole grouped conv
+        return type(name, (split_layers.GatherFirst, getattr(split_layers_modern, name[len("Gather"):])), {})
     raise UsageError(f"the placement plan asks for {name}, which this version does not have: "
                      "replicate the layer before it (--layout=fc_only or a --layout_rules rule)")
 

@@ -132,7 +132,8 @@ def transient_elems(plan: PlacementPlan, layer) -> int:
 # The split-aware layers that run as window_sum (split_layers_modern.py), and the input-sized
 # tensors beside dy and dx that its backward holds at once (`_window_elems`).
 _WINDOW_SUM = {"SplitDepthwiseConv2D": 2, "SplitSeparableConv2D": 2, "FilterSplitSeparableConv2D": 2,
-               "SliceAvgPool2D": 2, "SplitGroupedConv2D": 9}
+               "SliceAvgPool2D": 2, "SplitGroupedConv2D": 9,
+               "WholeGroupedConv2D": 9, "GatherWholeGroupedConv2D": 9}
 
 
 def _window_elems(plan: PlacementPlan, layer) -> int:

@@ -532,13 +532,19 @@ class _Walker:
 
     def _grouped(self, node: Node, x: str):
         """A grouped Conv2D follows its input: on split channels each device holds whole
-        groups (no communication); on a whole input it runs replicated."""
+        groups (no communication); on a whole input it runs replicated (WholeGroupedConv2D),
+        and on split channels with its kernel kept whole by --layout_overrides it gathers
+        its input first."""
         if x != CHANNELS:
-            return "", x, False, False, ""
+            return "WholeGroupedConv2D", x, False, False, ""
+        kernel = node.weight("kernel")
+        if kernel in self.fixed and not self.split(kernel):   # kept whole by --layout_overrides
+            return "GatherWholeGroupedConv2D", WHOLE, True, False, ""
         groups = node.config["groups"]
         if groups % self.m:
             raise UsageError(f"layer {node.name} has {groups} groups, which do not divide by the {self.m} devices "
-                             "of the model axis: each device must hold whole groups; change --mesh")
+                             f"of the model axis (each must hold whole groups): change --mesh, or "
+                             f"{keep_whole(kernel, 4)}")
         self.follow(node, SplitGroupedConv2D.VARIABLE_SPECS)
         return "SplitGroupedConv2D", CHANNELS, False, False, ""
 

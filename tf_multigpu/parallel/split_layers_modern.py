@@ -548,7 +548,7 @@ class SplitGroupedConv2D(_Nhwc, _OnMesh, keras.layers.Conv2D):
     SPLITS_OUTPUT = True
 
     def build(self, input_shape):
-        m = self.mesh.dim_size("model") if self.mesh is not None else 1
+        m = self.mesh.dim_size("model") if self.mesh is not None and self.VARIABLE_SPECS else 1
         if self.groups % m:
             raise UsageError(f"layer {self.name}: groups={self.groups} does not divide by the {m} devices of the "
                              "model axis (each must hold whole groups): replicate the layer or change --mesh")
@@ -556,6 +556,17 @@ class SplitGroupedConv2D(_Nhwc, _OnMesh, keras.layers.Conv2D):
 
     def convolution_op(self, inputs, kernel):
         return grouped_conv2d(inputs, kernel, self.groups, self.strides, self.padding)
+
+
+class WholeGroupedConv2D(SplitGroupedConv2D):
+    """Conv2D with groups > 1 on whole activations, its kernel whole, on a CPU mesh: the same
+    window_sum. TensorFlow's CPU kernels have no gradient for a grouped convolution that a
+    DTensor mesh runs (TF 2.21, oneDNN on: "Gradients for grouped convolutions are not
+    supported on CPU. ... Computed input depth 24 doesn't match filter input depth 8"); a GPU
+    mesh runs the stock layer (dtensor_mesh)."""
+
+    VARIABLE_SPECS: ClassVar[dict] = {}
+    SPLITS_OUTPUT = False
 
 
 # Stock class -> its split-aware twin, for the placement plan (Conv2D only when groups > 1).
