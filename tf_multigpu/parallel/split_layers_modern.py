@@ -207,7 +207,8 @@ def window_sum(x, weights, kernel_size, strides, padding, product: TapProduct = 
     padded dy with the flipped taps (plain slices again), and dweights one reduction per tap.
     Every sum runs tap by tap (`_tap_sum`). Every op slices or reduces H, W or the batch only,
     so a channel sharding is kept and the only collective is the batch all-reduce of dweights
-    (summed once, not per tap).
+    (summed once for an elementwise product; once per tap for one whose `weight` sums the
+    batch itself, as the grouped convolution's does).
     """
     (kh, kw), (sh, sw) = kernel_size, strides
     h, w = x.shape[1], x.shape[2]
@@ -252,8 +253,9 @@ def window_sum(x, weights, kernel_size, strides, padding, product: TapProduct = 
 
 
 def _tap_weight_grads(x, dy, after, kernel_size, strides, padding, weight):
-    """[kh*kw, ...]: for each tap t, sum over the batch and the output positions of
-    tap_t(x) * dy -- the gradient of window_sum's per-tap weights -- one tap at a time.
+    """[kh*kw, ...]: for each tap t, `weight(tap_t(x), dy)` summed over the batch (for the
+    elementwise product, tap_t(x) * dy summed over the batch and the output positions) -- the
+    gradient of window_sum's per-tap weights -- one tap at a time.
 
     x is first multiplied by a 1 made from `after` (dx): without it, x's padding and the loop's
     first tap depend on x alone, so the executor would make them in the forward and hold them
@@ -520,7 +522,7 @@ def grouped_conv2d(x, kernel, groups, strides, padding):
     and the kernel on F, and groups divisible by the model axis, each device holds whole
     groups: every op is local and the output is split on channels. The backward keeps x, not
     the kh*kw taps that autodiff of the einsums kept (measured: 9 taps per layer, a ResNeXt-like
-    model's model 1x2 peak 1,002 -> 529 MiB)."""
+    model's model 1x2 peak 1,002 -> 534 MiB)."""
     kh, kw, cg, f = kernel.shape
 
     def grouped(t):   # [.., g * k] -> [.., g, k]
