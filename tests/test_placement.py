@@ -14,7 +14,7 @@ from tests import user_models
 from tests.conftest import REPO
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import parse_rules
-from tf_multigpu.parallel.memory import bytes_per_device, saved_elems
+from tf_multigpu.parallel.memory import bytes_per_device, saved_elems, transient_elems
 from tf_multigpu.parallel.placement import CHANNELS, WHOLE, make_plan
 
 L = keras.layers
@@ -470,3 +470,17 @@ def test_layer_scale_of_keras_applications_follows_the_channels(applications_idi
     assert plan["layer_scale"].impl == "" and plan["layer_scale"].out_layout == CHANNELS
     (gamma,) = plan["layer_scale"].node.weights
     assert plan.specs[gamma] == ["model"] and not plan["layer_scale"].collectives
+
+
+def test_the_window_transient_is_counted_where_a_layer_runs_window_sum():
+    """A 3x3 average pool on split channels runs as window_sum (the padded dy and one tap: 2
+    input-sized tensors per device beside dy and dx); a tiling 2x2/2 one is a mean over a
+    reshape and holds none."""
+    model = keras.Sequential([keras.Input((16, 16, 3)), L.Conv2D(8, 3, name="conv"), L.AveragePooling2D(2, name="tile"),
+                              L.AveragePooling2D(3, 1, padding="same", name="window"), L.GlobalAveragePooling2D(),
+                              L.Dense(4, name="logits")])
+    plan = make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
+    assert plan["tile"].impl == plan["window"].impl == "SliceAvgPool2D"
+    without = transient_elems(plan, plan["tile"])
+    assert without == 14 * 14 * 8 // 2 + 7 * 7 * 8 // 2   # its input and output gradients
+    assert transient_elems(plan, plan["window"]) == 7 * 7 * 8 // 2 * (1 + 1 + 2)

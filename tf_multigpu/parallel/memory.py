@@ -121,7 +121,7 @@ def transient_elems(plan: PlacementPlan, layer) -> int:
     node = layer.node
     if not node.inputs:
         return 0
-    dx = node.in_elems if layer.gathers else _input_elems(plan, layer)
+    dx = _dx_elems(plan, layer)
     out = node.out_elems // plan.share(layer.out_layout)
     # an activation inside the layer: the gradient below it is a second output-sized tensor
     # (small_convnet, batch 1024: the estimate met the allocator's peak, 69 MiB, with it)
@@ -147,7 +147,16 @@ def _window_elems(plan: PlacementPlan, layer) -> int:
     extra = _WINDOW_SUM.get(layer.impl)
     if extra is None or not plan.layout:   # a replicated model runs the stock layers
         return 0
-    return extra * (layer.node.in_elems if layer.gathers else _input_elems(plan, layer))
+    config = layer.node.config
+    if layer.impl == "SliceAvgPool2D" and config["padding"] == "valid" and (
+            tuple(config.get("strides") or config["pool_size"]) == tuple(config["pool_size"])):
+        return 0   # tiling windows: a mean over a reshape, not window_sum (SliceAvgPool2D.call)
+    return extra * _dx_elems(plan, layer)
+
+
+def _dx_elems(plan: PlacementPlan, layer) -> int:
+    """The layer's input gradient on one device: whole where the layer gathers its input."""
+    return layer.node.in_elems if layer.gathers else _input_elems(plan, layer)
 
 
 def _input_elems(plan: PlacementPlan, layer) -> int:
