@@ -190,10 +190,11 @@ def test_gather_lowering_is_chosen_by_the_mesh_and_the_user_wins(monkeypatch):
     (["--strategy=model", "--layout=pipeline"], "unknown --layout='pipeline': choose one of filter_split, fc_only"),
     (["--strategy=model", "--layout_rules=.*conv9/kernel=-,-,-,model"], "match no variable"),
     (["--strategy=model", "--cpu_devices=3", "--batch_size=63"],
-     "conv1/kernel dimension 3 (32) does not divide by the 3 devices"),
+     "--layout=filter_split can split none of small_convnet's layers over the 3 devices of mesh axis 'model'"),
     (["--strategy=data", "--mesh=batch:2,model:1"], "--mesh applies to --strategy=model or hybrid"),
-    (["--strategy=model", "--cpu_devices=3", "--batch_size=63"],
-     "or keep it whole: --layout_overrides='small_convnet/conv1/kernel=-,-,-,-'"),
+    (["--strategy=model", "--cpu_devices=3", "--batch_size=63"],   # all named at once; keeping all whole is no fix
+     "(conv1/kernel dimension 3 (32); conv2/kernel dimension 3 (64); conv3/kernel dimension 3 (128); "
+     "fc1/kernel dimension 1 (256)): change --mesh or the layout"),
     (["--strategy=model", "--layout_overrides=.*conv9/kernel=-,-,-,-"],
      "--layout_overrides rule(s) ['.*conv9/kernel'] match no variable"),
     (["--strategy=model", "--layout_overrides=.*conv1/kernel"], "--layout_overrides item '.*conv1/kernel' is not"),

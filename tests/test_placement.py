@@ -157,9 +157,9 @@ def test_filter_split_splits_separable_convolutions_on_filters_and_on_channels_i
     assert [(c.op, c.phase, c.elems_per_example) for c in ruled["sep_row"].collectives] == [
         ("all_gather", "forward", 16 * 16 * 8), ("all_reduce", "backward", 16 * 16 * 8)]
     assert ruled["sep_column"].impl == row and ruled["sep_column"].out_layout == WHOLE
-    with pytest.raises(UsageError, match=r"^sep_stem/pointwise_kernel dimension 3 \(8\) does not divide by the 3 "
-                                         r"devices of mesh axis 'model': change --mesh or the layout, or keep it "
-                                         r"whole: --layout_overrides='sep_stem/pointwise_kernel=-,-,-,-'$"):
+    with pytest.raises(UsageError, match=r"^--layout=filter_split can split none of separable_convnet's layers over "
+                                         r"the 3 devices of mesh axis 'model' \(sep_stem/pointwise_kernel dimension 3 "
+                                         r"\(8\); .*; and 3 more\): change --mesh or the layout$"):
         make_plan(model, "filter_split", [], {"batch": 1, "model": 3})
 
 
@@ -228,6 +228,58 @@ def test_layout_overrides_amend_the_policy_where_a_layer_does_not_divide():
                      overrides=parse_rules(".*sep/pointwise_kernel=-,-,-,model;.*sep/bias=model"))
     assert rows["sep"].impl == "FilterSplitSeparableConv2D" and rows["sep"].in_layouts == ("rows",)
     assert rows["sep"].gathers and rows["sep"].collectives[0].op == "all_gather"
+
+
+def test_every_layer_that_does_not_divide_is_named_in_one_refusal():
+    """A model with several layers the model axis does not divide was refused one layer a run
+    (NASNetMobile took ten runs). Each kind (a Conv2D's filters, a separable's pointwise
+    filters on a whole input, a grouped conv's groups on split channels) is found only once
+    the one before it is kept whole; the one refusal names all three, and its fix plans."""
+    L = keras.layers
+    x = inputs = keras.Input((16, 16, 3))
+    x = L.Conv2D(5, 3, padding="same", name="stem")(x)
+    x = L.SeparableConv2D(6, 3, padding="same", name="sep")(x)   # split on filters only if stem is whole
+    x = L.Conv2D(8, 3, padding="same", name="conv")(x)
+    x = L.Conv2D(8, 3, padding="same", groups=2, name="grouped")(x)   # on split channels only if sep is whole
+    model = keras.Model(inputs, L.Dense(10, name="logits")(L.GlobalAveragePooling2D(name="gap")(x)), name="odd3")
+    mesh = {"batch": 1, "model": 4}
+    fix = "stem/kernel=-,-,-,-;sep/pointwise_kernel=-,-,-,-;grouped/kernel=-,-,-,-"
+    with pytest.raises(UsageError, match="^" + re.escape(
+            "3 layers do not divide by the 4 devices of mesh axis 'model' (stem/kernel dimension 3 (5); "
+            "sep/pointwise_kernel dimension 3 (6); layer grouped's 2 groups): change --mesh or the layout, or "
+            f"keep them whole: --layout_overrides='{fix}'") + "$"):
+        make_plan(model, "filter_split", [], mesh)
+    plan = make_plan(model, "filter_split", [], mesh, overrides=parse_rules(fix, "--layout_overrides"))
+    assert [plan[n].impl for n in ("stem", "sep", "conv", "grouped")] == [
+        "", "SplitSeparableConv2D", "SplitConv2D", "GatherWholeGroupedConv2D"]
+    assert [plan.specs[f"{n}/kernel"][-1] for n in ("stem", "conv", "grouped")] == ["-", "model", "-"]
+    # one layer alone keeps today's refusal; a layout that can split nothing says so, not "keep them all whole"
+    with pytest.raises(UsageError, match=r"^stem/kernel dimension 3 \(5\) does not divide .* --layout_overrides="
+                                         r"'stem/kernel=-,-,-,-'$"):
+        make_plan(model, "filter_split", [], mesh, overrides=parse_rules("sep/pointwise_kernel=-,-,-,-;"
+                                                                         "grouped/kernel=-,-,-,-"))
+    with pytest.raises(UsageError, match=r"^--layout=filter_split can split none of odd3's layers over the 3 devices "
+                                         r"of mesh axis 'model' \(stem/kernel dimension 3 \(5\); conv/kernel "
+                                         r"dimension 3 \(8\)\): change --mesh or the layout$"):
+        make_plan(model, "filter_split", [], {"batch": 1, "model": 3}, overrides=parse_rules(
+            "sep/pointwise_kernel=-,-,-,-"))
+
+
+def test_nasnet_mobile_is_planned_with_the_one_refusals_fix():
+    """keras.applications.NASNetMobile: ten layers of its first reduction cell have 11
+    filters. The refusal names all ten with short regexes that each match one variable; with
+    them, the rest of the model (674 variables) is split."""
+    model = keras.applications.NASNetMobile(weights=None, input_shape=(32, 32, 3), classes=10)
+    with pytest.raises(UsageError) as refusal:
+        make_plan(model, "filter_split", [], {"batch": 1, "model": 2})
+    message = str(refusal.value)
+    assert message.startswith("10 layers do not divide by the 2 devices of mesh axis 'model' "
+                              "(reduction_conv_1_stem_1/kernel dimension 3 (11); ") and "\n" not in message
+    rules = parse_rules(message.split("--layout_overrides='")[1].rstrip("'"), "--layout_overrides")
+    paths = [v.path for v in model.weights]
+    assert [sum(bool(re.fullmatch(regex, p)) for p in paths) for regex, _ in rules] == [1] * 10
+    plan = make_plan(model, "filter_split", [], {"batch": 1, "model": 2}, overrides=rules)
+    assert sum("model" in spec for spec in plan.specs.values()) == 674
 
 
 def test_user_layout_rules_replace_the_policy():

@@ -73,9 +73,23 @@ def parse_rules(text: str, flag: str = "--layout_rules") -> list[tuple[str, str]
     return rules
 
 
+def whole_rule(path: str, rank: int) -> tuple[str, str]:
+    """The --layout_overrides rule that keeps one variable (and so its layer) whole."""
+    return re.escape(path), ",".join([UNSPLIT] * rank)
+
+
 def keep_whole(path: str, rank: int) -> str:
     """The fix that keeps one variable (and so its layer) whole under a built-in layout."""
-    return f"keep it whole: --layout_overrides='{re.escape(path)}={','.join([UNSPLIT] * rank)}'"
+    return "keep it whole: --layout_overrides='{}={}'".format(*whole_rule(path, rank))
+
+
+class NotDividing(UsageError):
+    """A built-in layout would split a layer that does not divide by the model axis; the fix
+    keeps `path` (rank `rank`) whole. `make_plan` collects them all into one refusal."""
+
+    def __init__(self, message: str, path: str, rank: int, what: str):
+        super().__init__(message)
+        self.path, self.rank, self.what = path, rank, what   # what: "stem/kernel dimension 3 (5)"
 
 
 def assign_specs(variables: dict, rules, mesh_shape: dict, hint_whole: bool = False,
@@ -98,9 +112,12 @@ def assign_specs(variables: dict, rules, mesh_shape: dict, hint_whole: bool = Fa
                 break
         for dim, (size, axis) in enumerate(zip(shape, spec)):
             if axis != UNSPLIT and size % mesh_shape[axis]:
-                fix = "change --mesh or the layout" + (f", or {keep_whole(path, len(shape))}" if hint_whole else "")
-                raise UsageError(f"{path} dimension {dim} ({size}) does not divide by the {mesh_shape[axis]} "
-                                 f"devices of mesh axis '{axis}': {fix}")
+                what = f"{path} dimension {dim} ({size})"
+                message = f"{what} does not divide by the {mesh_shape[axis]} devices of mesh axis '{axis}': "
+                if hint_whole:
+                    raise NotDividing(message + f"change --mesh or the layout, or {keep_whole(path, len(shape))}",
+                                      path, len(shape), what)
+                raise UsageError(message + "change --mesh or the layout")
         specs[path] = spec
     unused = [regex for i, (regex, text) in enumerate(rules) if i not in used and not text.endswith("?")]
     if unused:

@@ -76,7 +76,7 @@ import numpy as np
 
 from tf_multigpu.compat import elementwise_op, inbound_layer_names, op_call_shapes, per_channel_layers, producer_name
 from tf_multigpu.errors import UsageError
-from tf_multigpu.parallel.layouts import UNSPLIT, assign_specs, keep_whole
+from tf_multigpu.parallel.layouts import UNSPLIT, NotDividing, assign_specs, keep_whole, whole_rule
 from tf_multigpu.parallel.split_layers_modern import (
     MERGES,
     SPLIT_AWARE,
@@ -337,10 +337,62 @@ def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model
     places the rest (a layer whose kernel they match gets no rule of the layout's at all).
     `shard_slots`: the optimizer's slots are sharded over `batch` too (`PlacementPlan.slot_spec`).
 
-    Raises UsageError, naming the layer and the fix, where the model cannot be placed.
+    Raises UsageError, naming the layer and the fix, where the model cannot be placed. Under a
+    built-in layout, every layer that does not divide by the model axis is named in one
+    refusal, with the one --layout_overrides value that keeps them all whole (NASNetMobile
+    has ten such layers: before, each run named the next one).
     """
     nodes = nodes if nodes is not None else model_graph(model)
     name = model.name if model is not None else "the model"
+    if rules or not layout:
+        return _place(nodes, name, layout, rules, mesh, batch_on_model, shard_slots, tuple(overrides))
+    refused, plan = [], None   # refused: NotDividing, in the order the plan meets them
+    while plan is None:
+        # Keep each refused layer whole and plan again: what follows it may change (a layer
+        # after a whole one gets a whole input), so the next refusal is found by planning.
+        kept = tuple(whole_rule(e.path, e.rank) for e in refused)
+        try:
+            plan = _place(nodes, name, layout, rules, mesh, batch_on_model, shard_slots, tuple(overrides) + kept)
+        except NotDividing as e:
+            if any(e.path == r.path for r in refused):
+                raise
+            refused.append(e)
+        except UsageError:
+            if not refused:
+                raise
+            break   # the layers that do not divide come first: a later error may be their consequence
+    if not refused:
+        return plan
+    m, paths = mesh["model"], [p for n in nodes for p in n.weights]
+    short = {e.path: _shortest_suffix(e.path, paths) for e in refused}
+    shown = refused if len(refused) <= 4 else refused[:3]
+    whats = "; ".join(e.what.replace(e.path, short[e.path]) for e in shown)
+    whats += f"; and {len(refused) - 3} more" if len(refused) > 4 else ""
+    if plan is not None and not any("model" in spec for spec in plan.specs.values()):
+        raise UsageError(f"--layout={layout} can split none of {name}'s layers over the {m} devices of mesh axis "
+                         f"'model' ({whats}): change --mesh or the layout")
+    if len(refused) == 1:
+        raise refused[0]
+    fix = ";".join(f"{'.*/' if short[e.path] != e.path else ''}{whole_rule(short[e.path], e.rank)[0]}="
+                   f"{whole_rule(e.path, e.rank)[1]}" for e in refused)
+    raise UsageError(f"{len(refused)} layers do not divide by the {m} devices of mesh axis 'model' ({whats}): "
+                     f"change --mesh or the layout, or keep them whole: --layout_overrides='{fix}'")
+
+
+def _shortest_suffix(path: str, paths: list) -> str:
+    """The fewest trailing components of `path` (at least the layer's and the variable's) that
+    no other variable's path ends with: `.*/<suffix>` then names it alone, and a refusal naming
+    ten of NASNet's deeply nested variables stays readable."""
+    parts = path.split("/")
+    for k in range(2, len(parts)):
+        suffix = "/".join(parts[-k:])
+        if not any(p != path and (p == suffix or p.endswith("/" + suffix)) for p in paths):
+            return suffix
+    return path
+
+
+def _place(nodes, name, layout, rules, mesh, batch_on_model, shard_slots, overrides) -> PlacementPlan:
+    """make_plan, for one set of overrides."""
     weights = {p: s for n in nodes for p, s in n.weights.items()}
     overridden = {p for p in weights if any(re.fullmatch(regex, p) for regex, _ in overrides)}
     if not layout and not rules:
@@ -522,8 +574,9 @@ class _Walker:
             return False
         filters = node.weights[pointwise][-1]
         if filters % self.m:
-            raise UsageError(f"{pointwise} dimension 3 ({filters}) does not divide by the {self.m} devices of mesh "
-                             f"axis 'model': change --mesh or the layout, or {keep_whole(pointwise, 4)}")
+            what = f"{pointwise} dimension 3 ({filters})"
+            raise NotDividing(f"{what} does not divide by the {self.m} devices of mesh axis 'model': change --mesh "
+                              f"or the layout, or {keep_whole(pointwise, 4)}", pointwise, 4, what)
         for var, text in FilterSplitSeparableConv2D.VARIABLE_SPECS.items():   # pointwise kernel and bias
             path = node.weight(var)
             if path and path not in self.fixed:
@@ -542,9 +595,9 @@ class _Walker:
             return "GatherWholeGroupedConv2D", WHOLE, True, False, ""
         groups = node.config["groups"]
         if groups % self.m:
-            raise UsageError(f"layer {node.name} has {groups} groups, which do not divide by the {self.m} devices "
-                             f"of the model axis (each must hold whole groups): change --mesh, or "
-                             f"{keep_whole(kernel, 4)}")
+            raise NotDividing(f"layer {node.name} has {groups} groups, which do not divide by the {self.m} devices "
+                              f"of the model axis (each must hold whole groups): change --mesh, or "
+                              f"{keep_whole(kernel, 4)}", kernel, 4, f"layer {node.name}'s {groups} groups")
         self.follow(node, SplitGroupedConv2D.VARIABLE_SPECS)
         return "SplitGroupedConv2D", CHANNELS, False, False, ""
 
