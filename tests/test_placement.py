@@ -536,3 +536,13 @@ def test_the_window_transient_is_counted_where_a_layer_runs_window_sum():
     without = transient_elems(plan, plan["tile"])
     assert without == 14 * 14 * 8 // 2 + 7 * 7 * 8 // 2   # its input and output gradients
     assert transient_elems(plan, plan["window"]) == 7 * 7 * 8 // 2 * (1 + 1 + 2)
+    # grouped: the einsums' group-major copies at stride 1 (9 input maps); a strided one's dx
+    # runs stride phase by stride phase at the output's size (2)
+    grouped = keras.Sequential([keras.Input((16, 16, 3)), L.Conv2D(8, 3, padding="same", name="conv"),
+                                L.Conv2D(8, 3, padding="same", groups=2, name="g1"),
+                                L.Conv2D(8, 3, strides=2, padding="same", groups=2, name="g2"),
+                                L.GlobalAveragePooling2D(), L.Dense(4, name="logits")])
+    plan = make_plan(grouped, "filter_split", [], {"batch": 1, "model": 2})
+    maps = 16 * 16 * 8 // 2
+    assert transient_elems(plan, plan["g1"]) == maps * (1 + 1 + 9)
+    assert transient_elems(plan, plan["g2"]) == maps // 4 + maps * (1 + 2)
