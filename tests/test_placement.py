@@ -15,7 +15,7 @@ from tests.conftest import REPO
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import parse_rules
 from tf_multigpu.parallel.memory import bytes_per_device, saved_elems, transient_elems
-from tf_multigpu.parallel.placement import CHANNELS, WHOLE, make_plan
+from tf_multigpu.parallel.placement import CHANNELS, MAX_REFUSED, WHOLE, make_plan
 
 L = keras.layers
 
@@ -253,16 +253,53 @@ def test_every_layer_that_does_not_divide_is_named_in_one_refusal():
     assert [plan[n].impl for n in ("stem", "sep", "conv", "grouped")] == [
         "", "SplitSeparableConv2D", "SplitConv2D", "GatherWholeGroupedConv2D"]
     assert [plan.specs[f"{n}/kernel"][-1] for n in ("stem", "conv", "grouped")] == ["-", "model", "-"]
-    # one layer alone keeps today's refusal; a layout that can split nothing says so, not "keep them all whole"
-    with pytest.raises(UsageError, match=r"^stem/kernel dimension 3 \(5\) does not divide .* --layout_overrides="
-                                         r"'stem/kernel=-,-,-,-'$"):
-        make_plan(model, "filter_split", [], mesh, overrides=parse_rules("sep/pointwise_kernel=-,-,-,-;"
-                                                                         "grouped/kernel=-,-,-,-"))
+    # the value offered replaces the user's --layout_overrides, so it carries theirs
+    mine = "sep/pointwise_kernel=-,-,-,-;grouped/kernel=-,-,-,-"
+    with pytest.raises(UsageError, match="^" + re.escape(
+            "1 layer does not divide by the 4 devices of mesh axis 'model' (stem/kernel dimension 3 (5)): change "
+            f"--mesh or the layout, or keep it whole: --layout_overrides='{mine};stem/kernel=-,-,-,-'") + "$"):
+        make_plan(model, "filter_split", [], mesh, overrides=parse_rules(mine, "--layout_overrides"))
+    # a layout that can split nothing says so, not "keep them all whole"
     with pytest.raises(UsageError, match=r"^--layout=filter_split can split none of odd3's layers over the 3 devices "
                                          r"of mesh axis 'model' \(stem/kernel dimension 3 \(5\); conv/kernel "
                                          r"dimension 3 \(8\)\): change --mesh or the layout$"):
         make_plan(model, "filter_split", [], {"batch": 1, "model": 3}, overrides=parse_rules(
             "sep/pointwise_kernel=-,-,-,-"))
+
+
+def test_a_refusal_offers_no_fix_that_fails():
+    """One layer alone keeps the one-layer refusal. Where the plan with the refused layers
+    kept whole fails on (here: the user's override of the next layer needs the stem's split
+    channels), that error is named, not a --layout_overrides value that cannot work; and a
+    model where most layers do not divide stops after MAX_REFUSED plans and says change the
+    mesh (each refusal costs a plan: hundreds of NASNet's on model:3)."""
+    L = keras.layers
+
+    def stem_conv(stem):
+        x = inputs = keras.Input((16, 16, 3))
+        x = L.Conv2D(8, 3, name="conv")(L.Conv2D(stem, 3, name="stem")(x))
+        return keras.Model(inputs, L.Dense(10, name="logits")(L.GlobalAveragePooling2D()(x)), name="m")
+
+    mesh = {"batch": 1, "model": 2}
+    with pytest.raises(UsageError, match=r"^stem/kernel dimension 3 \(5\) does not divide .* --layout_overrides="
+                                         r"'stem/kernel=-,-,-,-'$"):
+        make_plan(stem_conv(5), "filter_split", [], mesh)
+    mine = parse_rules("conv/kernel=-,-,model,-", "--layout_overrides")
+    plan = make_plan(stem_conv(8), "filter_split", [], mesh, overrides=mine)   # the override on split channels
+    assert plan.specs["conv/kernel"] == ["-", "-", "model", "-"]
+    with pytest.raises(UsageError, match="^" + re.escape(
+            "1 layer does not divide by the 2 devices of mesh axis 'model' (stem/kernel dimension 3 (5)), and with it "
+            "kept whole the plan fails: conv/kernel dimension 2 (5) does not divide by the 2 devices") + ".*"):
+        make_plan(stem_conv(5), "filter_split", [], mesh, overrides=mine)
+    x = inputs = keras.Input((8, 8, 3))
+    for i in range(MAX_REFUSED + 4):
+        x = L.Conv2D(5, 1, name=f"c{i}")(x)
+    fives = keras.Model(inputs, L.Dense(10, name="logits")(L.GlobalAveragePooling2D()(x)), name="fives")
+    with pytest.raises(UsageError, match="^" + re.escape(
+            f"at least {MAX_REFUSED} layers do not divide by the 2 devices of mesh axis 'model' (c0/kernel dimension 3 "
+            f"(5); c1/kernel dimension 3 (5); c2/kernel dimension 3 (5); and {MAX_REFUSED - 3} more): change --mesh or "
+            "the layout") + "$"):
+        make_plan(fives, "filter_split", [], mesh)
 
 
 def test_nasnet_mobile_is_planned_with_the_one_refusals_fix():

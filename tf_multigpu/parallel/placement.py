@@ -87,6 +87,7 @@ from tf_multigpu.parallel.split_layers_modern import (
 
 WHOLE, CHANNELS, ROWS = "whole", "channels", "rows"
 BYTES_PER_VALUE = 4   # float32 activations, parameters, gradients and slots
+MAX_REFUSED = 16      # make_plan names at most this many layers that do not divide, then stops
 
 L = keras.layers
 # Layers that act on each value (or each channel, or each pixel) alone: a channel split
@@ -346,10 +347,12 @@ def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model
     name = model.name if model is not None else "the model"
     if rules or not layout:
         return _place(nodes, name, layout, rules, mesh, batch_on_model, shard_slots, tuple(overrides))
-    refused, plan = [], None   # refused: NotDividing, in the order the plan meets them
-    while plan is None:
+    refused, plan, later = [], None, None   # refused: NotDividing, in the order the plan meets them
+    while plan is None and len(refused) < MAX_REFUSED:
         # Keep each refused layer whole and plan again: what follows it may change (a layer
         # after a whole one gets a whole input), so the next refusal is found by planning.
+        # Each pass is a whole plan: the cap bounds the work where most layers do not divide
+        # (NASNet on model:3), and a value with more rules than that is no fix anyway.
         kept = tuple(whole_rule(e.path, e.rank) for e in refused)
         try:
             plan = _place(nodes, name, layout, rules, mesh, batch_on_model, shard_slots, tuple(overrides) + kept)
@@ -357,10 +360,11 @@ def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model
             if any(e.path == r.path for r in refused):
                 raise
             refused.append(e)
-        except UsageError:
+        except UsageError as e:
             if not refused:
                 raise
-            break   # the layers that do not divide come first: a later error may be their consequence
+            later = e   # the layers that do not divide come first: this may be their consequence
+            break
     if not refused:
         return plan
     m, paths = mesh["model"], [p for n in nodes for p in n.weights]
@@ -368,15 +372,25 @@ def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model
     shown = refused if len(refused) <= 4 else refused[:3]
     whats = "; ".join(e.what.replace(e.path, short[e.path]) for e in shown)
     whats += f"; and {len(refused) - 3} more" if len(refused) > 4 else ""
-    if plan is not None and not any("model" in spec for spec in plan.specs.values()):
+    layers = "1 layer does" if len(refused) == 1 else f"{len(refused)} layers do"
+    if plan is None and later is None:
+        raise UsageError(f"at least {len(refused)} layers do not divide by the {m} devices of mesh axis 'model' "
+                         f"({whats}): change --mesh or the layout")
+    if later is not None:
+        raise UsageError(f"{layers} not divide by the {m} devices of mesh axis 'model' ({whats}), and with "
+                         f"{'it' if len(refused) == 1 else 'them'} kept whole the plan fails: {later}") from None
+    if not any("model" in spec for spec in plan.specs.values()):
         raise UsageError(f"--layout={layout} can split none of {name}'s layers over the {m} devices of mesh axis "
                          f"'model' ({whats}): change --mesh or the layout")
-    if len(refused) == 1:
+    if len(refused) == 1 and not overrides:
         raise refused[0]
-    fix = ";".join(f"{'.*/' if short[e.path] != e.path else ''}{whole_rule(short[e.path], e.rank)[0]}="
-                   f"{whole_rule(e.path, e.rank)[1]}" for e in refused)
-    raise UsageError(f"{len(refused)} layers do not divide by the {m} devices of mesh axis 'model' ({whats}): "
-                     f"change --mesh or the layout, or keep them whole: --layout_overrides='{fix}'")
+    # the value replaces the user's --layout_overrides, so it carries theirs too
+    fix = ";".join([f"{regex}={spec}" for regex, spec in overrides]
+                   + [f"{'.*/' if short[e.path] != e.path else ''}{whole_rule(short[e.path], e.rank)[0]}="
+                      f"{whole_rule(e.path, e.rank)[1]}" for e in refused])
+    raise UsageError(f"{layers} not divide by the {m} devices of mesh axis 'model' ({whats}): "
+                     f"change --mesh or the layout, or keep {'it' if len(refused) == 1 else 'them'} whole: "
+                     f"--layout_overrides='{fix}'")
 
 
 def _shortest_suffix(path: str, paths: list) -> str:
