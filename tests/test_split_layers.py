@@ -285,6 +285,25 @@ def test_slice_max_pool_in_other_float_types(dtype):
     np.testing.assert_array_equal(got[1][1], got[0][1])
 
 
+def test_inputs_no_window_reads_get_a_zero_gradient():
+    """A window smaller than its stride reads no tap from some inputs: their gradient is 0, as
+    the stock ops', even where dy is inf (a phase made as `phase * 0.0` was NaN there)."""
+    x = tf.constant(_x((1, 7, 7, 2)))
+    dy = tf.fill([1, 4, 4, 2], float("inf"))
+    for mine, stock in ((lambda t: M.window_sum(t, None, (1, 1), (2, 2), "same"),
+                         lambda t: tf.nn.avg_pool2d(t, 1, 2, "SAME")),
+                        (lambda t: M.window_max(t, (1, 1), (2, 2), "same"),
+                         lambda t: tf.nn.max_pool2d(t, 1, 2, "SAME"))):
+        got = []
+        for pool in (mine, stock):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = pool(x)
+            got.append(tape.gradient(y, x, dy).numpy())
+        np.testing.assert_array_equal(got[0], got[1])
+        assert np.isinf(got[0][:, ::2, ::2]).all() and (got[0][:, 1::2] == 0).all()
+
+
 def _backward_reads(layer, shape) -> list:
     """The tensors of layer's forward (on an input of `shape`) that its gradient reads."""
     def step(x):

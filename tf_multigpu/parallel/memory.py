@@ -138,8 +138,8 @@ _WINDOW_SUM = {"SplitDepthwiseConv2D": 2, "SplitSeparableConv2D": 2, "FilterSpli
 
 def _window_elems(plan: PlacementPlan, layer) -> int:
     """window_sum's backward transient beside dy and dx. Its sums run one tap at a time
-    (`_tap_sum`); an elementwise window holds the padded (for a stride, dilated) dy and one
-    tap with its product: 2 input-sized tensors. A grouped convolution's einsums also transpose
+    (`_tap_sum`); an elementwise window holds the padded dy (strided: one stride phase's)
+    and one tap with its product: at most 2 input-sized tensors. A grouped convolution's einsums also transpose
     each tap and product to and from group-major order: 9 at stride 1; a strided one's dx runs
     one stride phase at a time at the output's size (`_strided_adjoint`): 2. Measured, fwd+bwd
     of one layer, allocator peak in input maps: depthwise 3x3/1 5.8 (input, output, dy, dx and

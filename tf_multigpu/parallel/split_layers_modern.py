@@ -184,7 +184,8 @@ def _tap_sum(term, n):
 
 class TapProduct(NamedTuple):
     """What window_sum does with each tap: `forward(tap, w)` its term of the output, `adjoint(f,
-    w)` the term of dx from the flipped tap f of the padded dy, and `weight(tap, dy)` the
+    w)` the term of dx from the flipped tap f of the padded dy (input-sized at stride 1, a
+    stride phase's size otherwise: it may not assume H and W), and `weight(tap, dy)` the
     gradient of w, [B, ...] per example or [1, ...] already summed over the batch."""
     forward: Callable
     adjoint: Callable
@@ -201,10 +202,10 @@ def window_sum(x, weights, kernel_size, strides, padding, product: TapProduct = 
     the plain sum of the taps), with a hand-written gradient.
 
     x is [B, H, W, ...], weights [kh*kw, ...] (elementwise: broadcasting against x's trailing
-    dims). Autodiff
-    of the strided slices would build one full-size StridedSliceGrad tensor per tap (measured
-    15x-66x the stock op's time); instead dx is the adjoint as a stride-1 correlation of the dilated,
-    padded dy with the flipped taps (plain slices again), and dweights one reduction per tap.
+    dims). Autodiff of the strided slices would build one full-size StridedSliceGrad tensor
+    per tap (measured 15x-66x the stock op's time); instead dx is the adjoint as a stride-1
+    correlation of the padded dy with the flipped taps (plain slices again; strided, one stride
+    phase of dx at a time, `_strided_adjoint`), and dweights one reduction per tap.
     Every sum runs tap by tap (`_tap_sum`). Every op slices or reduces H, W or the batch only,
     so a channel sharding is kept and the only collective is the batch all-reduce of dweights
     (summed once for an elementwise product; once per tap for one whose `weight` sums the
@@ -262,8 +263,7 @@ def _strided_adjoint(dy, adjoint, hw, kernel_size, strides, pads):
     row u - p: each phase (a, b) of dx is a stride-1 correlation of dy (padded, not dilated)
     with its own taps, flipped. Dilating dy with zeros instead (every input row, every tap)
     did sh*sw times the work: a grouped 3x3/2 layer's fwd+bwd measured 1.78x autodiff's.
-    The phases are assembled as window_max assembles its gradient (expand_dims + concat:
-    DTensor's Pack replicates a channel split), then cropped to x."""
+    The phases are assembled and cropped to x by `_from_phases`, as window_max's are."""
     (kh, kw), (sh, sw) = kernel_size, strides
     oh, ow, rest = dy.shape[1], dy.shape[2], list(dy.shape[3:])
     hs, ws = _phase_grid(oh, ow, kernel_size, strides)
@@ -289,7 +289,10 @@ def _from_phases(phases, strides, hw, pads):
     reshape), and x's rows and columns cut out of it in one slice (zero rows added first
     where the grid ends before x does)."""
     (sh, sw), (h, w), ((pt, _), (pl, _)) = strides, hw, pads
-    zeros = next(iter(phases.values())) * 0.0   # a phase no tap reads (window < stride)
+    # a phase no tap reads (window < stride) is 0, even where dy is inf or NaN (as the stock
+    # ops' gradients): MulNoNan, elementwise, keeps the layout a zeros_like would replicate
+    some = next(iter(phases.values()))
+    zeros = tf.math.multiply_no_nan(some, tf.constant(0, some.dtype))
     grid = tf.concat([tf.expand_dims(tf.concat([tf.expand_dims(phases.get((a, b), zeros), 3) for b in range(sw)],
                                                axis=3), 2) for a in range(sh)], axis=2)
     dx = tf.reshape(grid, [-1, grid.shape[1] * sh, grid.shape[3] * sw, *grid.shape[5:]])
