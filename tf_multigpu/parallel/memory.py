@@ -134,17 +134,19 @@ def transient_elems(plan: PlacementPlan, layer) -> int:
 _WINDOW_SUM = {"SplitDepthwiseConv2D": 2, "SplitSeparableConv2D": 2, "FilterSplitSeparableConv2D": 2,
                "SliceAvgPool2D": 2, "SplitGroupedConv2D": 9,
                "WholeGroupedConv2D": 9, "GatherWholeGroupedConv2D": 9}
+_STRIDED_GROUPED = 2   # a strided grouped window: its dx one stride phase at a time, as an elementwise one
 
 
 def _window_elems(plan: PlacementPlan, layer) -> int:
     """window_sum's backward transient beside dy and dx. Its sums run one tap at a time
-    (`_tap_sum`); an elementwise window holds the padded dy (strided: one stride phase's)
-    and one tap with its product: at most 2 input-sized tensors. A grouped convolution's einsums also transpose
-    each tap and product to and from group-major order: 9 at stride 1; a strided one's dx runs
-    one stride phase at a time at the output's size (`_strided_adjoint`): 2. Measured, fwd+bwd
-    of one layer, allocator peak in input maps: depthwise 3x3/1 5.8 (input, output, dy, dx and
-    1.8), 3x3/2 3.8, average 3x3 3.7 (8.3-16.8 when the kh*kw taps were made at once); grouped
-    3x3/1 12.9 and 3x3/2 4.8 (28x28x192, 8 groups; 10.2 when dx convolved the dilated dy)."""
+    (`_tap_sum`); an elementwise window holds the padded dy (strided: one stride phase's) and
+    one tap with its product: at most 2 input-sized tensors. A grouped convolution's einsums
+    also transpose each tap and product to and from group-major order: 9 at stride 1; a
+    strided one's dx runs one stride phase at a time at the output's size (`_strided_adjoint`):
+    2. Measured, fwd+bwd of one layer, allocator peak in input maps: depthwise 3x3/1 5.8
+    (input, output, dy, dx and 1.8), 3x3/2 3.8, average 3x3 3.7 (8.3-16.8 when the kh*kw taps
+    were made at once); grouped 3x3/1 12.9 and 3x3/2 4.8 (28x28x192, 8 groups; 10.2 when dx
+    convolved the dilated dy)."""
     extra = _WINDOW_SUM.get(layer.impl)
     if extra is None or not plan.layout:   # a replicated model runs the stock layers
         return 0
@@ -153,7 +155,7 @@ def _window_elems(plan: PlacementPlan, layer) -> int:
             tuple(config.get("strides") or config["pool_size"]) == tuple(config["pool_size"])):
         return 0   # tiling windows: a mean over a reshape, not window_sum (SliceAvgPool2D.call)
     if "Grouped" in layer.impl and max(config["strides"]) > 1:
-        extra = _WINDOW_SUM["SplitDepthwiseConv2D"]
+        extra = _STRIDED_GROUPED
     return extra * _dx_elems(plan, layer)
 
 

@@ -372,13 +372,13 @@ def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model
     shown = refused if len(refused) <= 4 else refused[:3]
     whats = "; ".join(e.what.replace(e.path, short[e.path]) for e in shown)
     whats += f"; and {len(refused) - 3} more" if len(refused) > 4 else ""
-    layers = "1 layer does" if len(refused) == 1 else f"{len(refused)} layers do"
+    layers, them = ("1 layer does", "it") if len(refused) == 1 else (f"{len(refused)} layers do", "them")
     if plan is None and later is None:
         raise UsageError(f"at least {len(refused)} layers do not divide by the {m} devices of mesh axis 'model' "
                          f"({whats}): change --mesh or the layout")
     if later is not None:
         raise UsageError(f"{layers} not divide by the {m} devices of mesh axis 'model' ({whats}), and with "
-                         f"{'it' if len(refused) == 1 else 'them'} kept whole the plan fails: {later}") from None
+                         f"{them} kept whole the plan fails: {later}") from None
     if not any("model" in spec for spec in plan.specs.values()):
         raise UsageError(f"--layout={layout} can split none of {name}'s layers over the {m} devices of mesh axis "
                          f"'model' ({whats}): change --mesh or the layout")
@@ -389,7 +389,7 @@ def make_plan(model: keras.Model, layout: str, rules, mesh: dict, batch_on_model
                    + [f"{'.*/' if short[e.path] != e.path else ''}{whole_rule(short[e.path], e.rank)[0]}="
                       f"{whole_rule(e.path, e.rank)[1]}" for e in refused])
     raise UsageError(f"{layers} not divide by the {m} devices of mesh axis 'model' ({whats}): "
-                     f"change --mesh or the layout, or keep {'it' if len(refused) == 1 else 'them'} whole: "
+                     f"change --mesh or the layout, or keep {them} whole: "
                      f"--layout_overrides='{fix}'")
 
 

@@ -216,17 +216,19 @@ def window_sum(x, weights, kernel_size, strides, padding, product: TapProduct = 
     (pt, _), (pl, _) = _pads(x, kernel_size, strides, padding)
     ones, n = weights is None, kh * kw
 
+    def with_weights(apply):   # (f, t) -> apply(f, tap t's weights); f itself for a plain sum
+        return (lambda f, t: f) if ones else lambda f, t: apply(f, tf.gather(weights, t))
+
     def weighted(read, apply):
-        return read if ones else lambda t: apply(read(t), tf.gather(weights, t))
+        return read if ones else lambda t: with_weights(apply)(read(t), t)
 
     def forward(x, weights):
         y = _tap_sum(weighted(_tap_reader(x, kernel_size, strides, padding), product.forward), n)
 
         def grad(dy):
             if sh > 1 or sw > 1:
-                adjoint = (lambda f, t: f) if ones else lambda f, t: product.adjoint(f, tf.gather(weights, t))
-                dx = _strided_adjoint(dy, adjoint, (h, w), kernel_size, strides, _pads(x, kernel_size, strides,
-                                                                                      padding))
+                dx = _strided_adjoint(dy, with_weights(product.adjoint), (h, w), kernel_size, strides,
+                                      _pads(x, kernel_size, strides, padding))
             else:
                 oh, ow, rest = dy.shape[1], dy.shape[2], list(dy.shape[3:])
                 d = tf.pad(dy, [[0, 0], [kh - 1, max(0, pt + h - oh)], [kw - 1, max(0, pl + w - ow)]]
