@@ -71,7 +71,7 @@ def run(main, prog: str, flag_names=()) -> None:
 
 # Flags that name files or directories: a leading ~ is the user's home, as a shell would
 # have made it had the value not followed "--flag=" (bash expands ~ only at a word's start).
-PATH_FLAGS = ("run_dir", "data_dir", "export_dir", "checkpoint", "out_dir", "profile", "folder", "out")
+PATH_FLAGS = ("run_dir", "data_dir", "export_dir", "checkpoint", "out_dir", "profile", "folder", "out", "malloc")
 
 
 def flags_parser(prog: str):

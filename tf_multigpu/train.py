@@ -14,7 +14,7 @@ import json
 
 from absl import flags
 
-from tf_multigpu import cli
+from tf_multigpu import cli, malloc
 from tf_multigpu.cli import DOES_NOT_FIT
 from tf_multigpu.config import check_before_start
 from tf_multigpu.config import flags as run_flags
@@ -31,6 +31,7 @@ def main(argv):
     cluster = None
     try:
         cfg = run_flags.config_from_flags()
+        malloc.apply(cfg.malloc)   # may start the process again, with the allocator preloaded
         from tf_multigpu.parallel import cluster as clusters  # pure Python (Slurm's resolver starts TensorFlow)
         cluster = clusters.resolve_cluster(cfg.worker_hosts, cfg.task_index, start_tensorflow=cli.start_tensorflow)
         # before TensorFlow starts, and before a worker waits for its peers

@@ -65,6 +65,9 @@ flags.DEFINE_list("configs", list(KEYS), f"Configurations to run, of: {', '.join
 flags.DEFINE_boolean("gpus", False, "Run on the machine's GPUs instead of logical CPU devices.")
 flags.DEFINE_string("out", "", "Also write the markdown table (and a .json beside it) here.")
 flags.DEFINE_integer("run_timeout", 1800, "Seconds per run.")
+if "malloc" not in flags.FLAGS:   # tf-multigpu-train's, where a process imports both (the tests): same meaning
+    flags.DEFINE_string("malloc", "system", "Each run's --malloc: system, tcmalloc or a library's path (the "
+                        "table names what was preloaded).")
 flags.DEFINE_integer("repeats", 1, "Runs per configuration; the one with the median peak is shown.", lower_bound=1)
 FLAGS = flags.FLAGS
 
@@ -75,7 +78,7 @@ def run_one(strategy: str, devices: int, mesh: str, layout: str, extra=()) -> di
         command = [sys.executable, "-m", "tf_multigpu.train", f"--run_dir={run_dir}", "--noexport",
                    f"--strategy={strategy}", f"--model={FLAGS.model}", f"--dataset={FLAGS.dataset}",
                    f"--image_size={FLAGS.image_size}", f"--batch_size={FLAGS.batch_size}",
-                   f"--steps={FLAGS.train_steps}", f"--num_devices={devices}"]
+                   f"--steps={FLAGS.train_steps}", f"--num_devices={devices}", f"--malloc={FLAGS.malloc}"]
         if not FLAGS.gpus:
             command.append(f"--cpu_devices={devices}")
         if mesh:

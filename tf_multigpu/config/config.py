@@ -19,6 +19,7 @@ import glob
 import json
 import os
 
+from tf_multigpu import malloc
 from tf_multigpu.config.run_paths import RunPaths
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import POLICIES, parse_rules
@@ -93,6 +94,7 @@ class Config:
     worker_hosts: str = ""        # every worker's host:port, same list everywhere ("": TF_CONFIG, Slurm, one process)
     task_index: int | None = None   # this worker's position in worker_hosts (0 is the chief)
     peer_timeout: int = 60        # seconds without a heartbeat before a worker is declared lost
+    malloc: str = "system"        # system | tcmalloc | a library's path: preloaded before TensorFlow starts
 
     # Parsed from the flags above when the config is built (a bad value is a UsageError then).
     mesh_shape: dict | None = dataclasses.field(init=False, repr=False, compare=False)   # --mesh; None: derived
@@ -137,6 +139,7 @@ class Config:
         _at_least("eval_every", self.eval_every, 0)
         _at_least("log_every", self.log_every, 1)
         _at_least("peer_timeout", self.peer_timeout, 1)
+        malloc.check_value(self.malloc)
         if self.task_index is not None and not self.worker_hosts:
             raise UsageError(f"--task_index={self.task_index} needs --worker_hosts=HOST:PORT,HOST:PORT,... "
                              "(the same list on every worker)")

@@ -98,6 +98,19 @@ def malloc_free_bytes() -> int | None:
     return int(mallinfo2().fordblks)
 
 
+def malloc_advice(measured: dict) -> str | None:
+    """A one-line hint where glibc's malloc ended a CPU run holding a large share of its peak
+    free (at least a quarter of it, and 256 MiB): memory in no tensor, that TCMalloc would not
+    keep (`--malloc=tcmalloc`, tf_multigpu/malloc.py). None otherwise, or where an allocator
+    is already preloaded."""
+    free, peak = measured.get("malloc_free_bytes"), measured.get("peak_rss_bytes", 0)
+    if free is None or measured.get("ld_preload") or free < max(peak / 4, 256 * 2**20):
+        return None
+    return (f"glibc's malloc held {free / 2**30:.2f} GiB free when training ended, of a {peak / 2**30:.2f} GiB "
+            "peak: memory no tensor uses, which it keeps instead of returning it. --malloc=tcmalloc keeps "
+            "far less (README, 'Memory')")
+
+
 def _reset_cpu_allocator_stats() -> bool:
     """Resets the peak of TensorFlow's CPU allocator; False where it keeps no statistics. It
     keeps them with oneDNN on, and none without ("Cannot reset memory stats for device

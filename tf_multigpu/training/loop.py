@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import time
 
+from absl import logging
+
 from tf_multigpu.config import Config
 from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model
 from tf_multigpu.parallel.memory import host_bytes
-from tf_multigpu.profiling.memory_measured import MemoryMeter
+from tf_multigpu.profiling.memory_measured import MemoryMeter, malloc_advice
 from tf_multigpu.training.cadence import (
     Evaluate,
     PreemptionVote,
@@ -79,6 +81,9 @@ def finish_run(run: Run, writer, results: Results, started: float, prediction=No
     cfg, source, role = run.cfg, run.source, run.role
     test = results.test or run.evaluate()   # --steps=0, or resumed at the end: still report the accuracy
     memory_measured = run.meter.measured()
+    advice = malloc_advice(memory_measured)
+    if advice and role.is_chief:
+        logging.warning(advice)
     write_scalars(writer, "memory_measured", results.step, MemoryMeter.scalars(memory_measured))
     writer.flush()
 
