@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO
 from tests.helpers import exit_before_tensorflow
 from tf_multigpu import malloc
 from tf_multigpu.config import Config
@@ -57,18 +57,14 @@ def _summary(done):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["module", "console_script"])
-def test_a_run_with_tcmalloc_runs_under_it(tmp_path, how):
-    """`python -m tf_multigpu.train` (through the tests' launcher, a fork) and the installed
-    console script both start again with TCMalloc preloaded: the summary's meter names it,
-    and glibc's arenas, which tensors no longer use, hold next to nothing."""
-    args = [f"--run_dir={tmp_path / 'run'}", "--strategy=single", "--batch_size=32", "--steps=2", "--noexport",
-            "--malloc=tcmalloc"]
-    if how == "module":
-        done = run_cli(*args)
-    else:
-        script = os.path.join(os.path.dirname(sys.executable), "tf-multigpu-train")
-        done = subprocess.run([script, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+def test_a_run_with_tcmalloc_runs_under_it(tmp_path):
+    """The installed console script starts again with TCMalloc preloaded: the summary's meter
+    names it, and glibc's arenas, which tensors no longer use, hold next to nothing. (`python
+    -m` starts again as `-m tf_multigpu.train`: the test below.)"""
+    script = os.path.join(os.path.dirname(sys.executable), "tf-multigpu-train")
+    done = subprocess.run([script, f"--run_dir={tmp_path / 'run'}", "--strategy=single", "--batch_size=32",
+                           "--steps=2", "--noexport", "--malloc=tcmalloc"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
     measured = _summary(done)["memory_measured"]
     assert measured["ld_preload"] == malloc.library_path("tcmalloc"), measured
     assert measured["malloc_free_bytes"] < 64 * 2**20, measured
@@ -77,7 +73,8 @@ def test_a_run_with_tcmalloc_runs_under_it(tmp_path, how):
 
 def test_a_library_the_loader_refuses_is_one_line(tmp_path):
     """An existing file that is no shared library: the loader says why, then ignores it; the
-    process it started again stops with one line instead of starting a third time."""
+    process started again (as `python -m tf_multigpu.train`, which it parses: the error is
+    about its flag) stops with one line instead of starting a third time."""
     bogus = tmp_path / "libnot.so"
     bogus.write_text("not an ELF file\n")
     done = subprocess.run([sys.executable, "-m", "tf_multigpu.train", f"--run_dir={tmp_path / 'run'}",
