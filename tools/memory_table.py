@@ -34,8 +34,9 @@ import tempfile
 
 from absl import flags
 
-from tf_multigpu import cli
+from tf_multigpu import cli, malloc
 from tf_multigpu.config.workload_flags import define_workload_flags
+from tf_multigpu.errors import UsageError
 
 PROG = "memory_table"
 
@@ -65,9 +66,7 @@ flags.DEFINE_list("configs", list(KEYS), f"Configurations to run, of: {', '.join
 flags.DEFINE_boolean("gpus", False, "Run on the machine's GPUs instead of logical CPU devices.")
 flags.DEFINE_string("out", "", "Also write the markdown table (and a .json beside it) here.")
 flags.DEFINE_integer("run_timeout", 1800, "Seconds per run.")
-if "malloc" not in flags.FLAGS:   # tf-multigpu-train's, where a process imports both (the tests): same meaning
-    flags.DEFINE_string("malloc", "system", "Each run's --malloc: system, tcmalloc or a library's path (the "
-                        "table names what was preloaded).")
+malloc.define_flag()   # tf-multigpu-train's --malloc, given to every run (the table names what was preloaded)
 flags.DEFINE_integer("repeats", 1, "Runs per configuration; the one with the median peak is shown.", lower_bound=1)
 FLAGS = flags.FLAGS
 
@@ -164,6 +163,10 @@ def main(argv):
     unknown = [c for c in FLAGS.configs if c not in KEYS]
     if unknown:
         cli.fail(PROG, f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(KEYS)}")
+    try:
+        malloc.check_value(FLAGS.malloc)
+    except UsageError as e:
+        cli.fail(PROG, str(e))
     chosen = [c for c in CONFIGS if c[0].replace(" ", "_") in FLAGS.configs]
     rows = []
     for label, strategy, devices, mesh, layout, extra in chosen:

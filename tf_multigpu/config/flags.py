@@ -7,6 +7,7 @@ turns the parsed flags into the frozen Config; nothing else reads FLAGS.
 
 from absl import flags
 
+from tf_multigpu import malloc
 from tf_multigpu.config.config import (
     ALL_REDUCE,
     BATCHNORMS,
@@ -111,11 +112,7 @@ flags.DEFINE_integer("task_index", _D.task_index, "This worker's position in --w
                      "which alone writes config, summaries, summary.json and the export.")
 flags.DEFINE_integer("peer_timeout", _D.peer_timeout, "Multi-worker: seconds a worker may go silent (no "
                      "heartbeat) before the others stop with an error instead of waiting for it.")
-flags.DEFINE_string("malloc", _D.malloc, "The process's memory allocator: system (the C library's malloc), "
-                    "tcmalloc (TCMalloc, preloaded: the process starts again with it before TensorFlow "
-                    "does), or a shared library's path to preload. Where TensorFlow runs its own CPU "
-                    "kernels (no AVX-512, or TF_ENABLE_ONEDNN_OPTS=0), glibc's malloc keeps what a mesh's "
-                    "tensors free and tcmalloc does not: see README, 'Memory'.")
+malloc.define_flag(_D.malloc)   # in malloc.py: tools that start training runs take it too
 
 FLAGS = flags.FLAGS
 

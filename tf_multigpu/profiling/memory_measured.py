@@ -36,6 +36,8 @@ import sys
 
 import tensorflow as tf
 
+from tf_multigpu.malloc import malloc_library
+
 
 def rss_bytes() -> int:
     """The process's current resident set size (0 where /proc is missing)."""
@@ -99,12 +101,14 @@ def malloc_free_bytes() -> int | None:
 
 
 def malloc_advice(measured: dict) -> str | None:
-    """A one-line hint where glibc's malloc ended a CPU run holding a large share of its peak
-    free (at least a quarter of it, and 256 MiB): memory in no tensor, that TCMalloc would not
-    keep (`--malloc=tcmalloc`, tf_multigpu/malloc.py). None otherwise, or where an allocator
-    is already preloaded."""
+    """A one-line hint where TensorFlow's own (Eigen) CPU kernels ran on glibc's malloc and it
+    ended the run holding a large share of the peak free (at least a quarter of it, and 256
+    MiB): memory in no tensor, that TCMalloc would not keep (`--malloc=tcmalloc`,
+    tf_multigpu/malloc.py). None otherwise: with oneDNN's kernels TCMalloc saved nothing, and
+    a preloaded allocator was chosen already."""
     free, peak = measured.get("malloc_free_bytes"), measured.get("peak_rss_bytes", 0)
-    if free is None or measured.get("ld_preload") or free < max(peak / 4, 256 * 2**20):
+    if (free is None or measured.get("cpu_kernels") != "Eigen" or measured.get("ld_preload")
+            or free < max(peak / 4, 256 * 2**20)):
         return None
     return (f"glibc's malloc held {free / 2**30:.2f} GiB free when training ended, of a {peak / 2**30:.2f} GiB "
             "peak: memory no tensor uses, which it keeps instead of returning it. --malloc=tcmalloc keeps "
@@ -146,8 +150,9 @@ class MemoryMeter:
         process's {"peak_rss_bytes", "peak_since", "baseline_rss_bytes",
         "peak_minus_baseline_bytes", "cpu_kernels"}, with "tf_allocator_peak_bytes" where the
         allocator keeps statistics, "malloc_free_bytes" (now, at the end of training) where
-        the C library is glibc, and "ld_preload" where the process runs with libraries
-        preloaded (LD_PRELOAD: an allocator such as tcmalloc). Both with "source", what was
+        the C library is glibc, "ld_preload" where the process runs with libraries
+        preloaded (LD_PRELOAD: an allocator such as tcmalloc) and "malloc_library", the library
+        whose malloc the process calls (tf_multigpu/malloc.py). Both with "source", what was
         read."""
         if self.gpus:
             peaks = {gpu: int(tf.config.experimental.get_memory_info(gpu)["peak"]) for gpu in self.gpus}
@@ -156,6 +161,7 @@ class MemoryMeter:
         peak = peak_rss_bytes()
         free = malloc_free_bytes()
         preloaded = os.environ.get("LD_PRELOAD", "")   # another malloc (tcmalloc, jemalloc) changes the RSS
+        serving = malloc_library()   # what the process really calls (a preload can be refused, or lose)
         return {"source": "process peak RSS (all logical CPU devices)", "peak_rss_bytes": peak,
                 "peak_since": "meter start" if self.peak_reset else "process start",
                 "baseline_rss_bytes": self.baseline, "peak_minus_baseline_bytes": peak - self.baseline,
@@ -163,7 +169,8 @@ class MemoryMeter:
                 **({"tf_allocator_peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
                    if self.cpu_stats else {}),
                 **({"malloc_free_bytes": free} if free is not None else {}),
-                **({"ld_preload": preloaded} if preloaded else {})}
+                **({"ld_preload": preloaded} if preloaded else {}),
+                **({"malloc_library": serving} if serving else {})}
 
     @staticmethod
     def scalars(measured: dict) -> dict:
