@@ -133,8 +133,10 @@ def test_table_rows_and_markdown():
     summaries["model 1x2 filter_split"]["memory_measured"]["malloc_free_bytes"] = 2**29
     for summary in summaries.values():
         summary["memory_measured"]["ld_preload"] = "/usr/lib/libtcmalloc_minimal.so.4"
+        summary["memory_measured"]["malloc_library"] = "/usr/lib/libtcmalloc_minimal.so.4.5.10"
     table = markdown([row(label, s) for label, s in summaries.items()])
     assert "Preloaded (LD_PRELOAD): /usr/lib/libtcmalloc_minimal.so.4." in table
+    assert "malloc from: /usr/lib/libtcmalloc_minimal.so.4.5.10." in table
     assert "Held free by glibc's malloc when training ended (freed memory its arenas keep, mostly resident, " \
            "in no tensor): model 1x2 filter_split 0.50 GiB." in table
 

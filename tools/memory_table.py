@@ -106,6 +106,7 @@ def row(label: str, summary: dict) -> dict:
             "tf_allocator_peak_bytes": measured.get("tf_allocator_peak_bytes", 0),
             "malloc_free_bytes": measured.get("malloc_free_bytes"),
             "ld_preload": measured.get("ld_preload", ""),
+            "malloc_library": measured.get("malloc_library", ""),
             "cpu_kernels": measured.get("cpu_kernels", "")}
 
 
@@ -143,6 +144,9 @@ def markdown(rows: list[dict]) -> str:
         preloads = sorted({r["ld_preload"] for r in rows if r.get("ld_preload")})
         if preloads:
             notes.append(f"Preloaded (LD_PRELOAD): {', '.join(preloads)}.")
+        libraries = sorted({r["malloc_library"] for r in rows if r.get("malloc_library")})
+        if libraries:   # what the runs' malloc really was (a preload can be refused)
+            notes.append(f"malloc from: {', '.join(libraries)}.")
         if any(r.get("malloc_free_bytes") is not None for r in rows):
             free = ", ".join(f"{r['config']} {r['malloc_free_bytes'] / gib:.2f} GiB" for r in rows
                              if r.get("malloc_free_bytes") is not None)
