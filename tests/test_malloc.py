@@ -135,6 +135,9 @@ def test_advice_where_glibc_kept_much_of_the_peak():
     assert "--malloc=tcmalloc" in malloc_advice(kept)
     assert malloc_advice({**kept, "cpu_kernels": "oneDNN"}) is None   # TCMalloc saved nothing there
     assert malloc_advice({**kept, "ld_preload": "/usr/lib/libtcmalloc_minimal.so.4"}) is None
+    assert malloc_advice({**kept, "malloc_library": "/usr/lib/libtcmalloc_minimal.so.4.5.10"}) is None
+    # something preloaded that is no allocator: glibc's malloc still serves the process
+    assert malloc_advice({**kept, "ld_preload": "/usr/lib/libfoo.so", "malloc_library": "/lib/libc.so.6"})
     assert malloc_advice({**kept, "malloc_free_bytes": int(0.08 * GIB)}) is None   # one device
     assert malloc_advice({**kept, "peak_rss_bytes": 600 * 2**20, "malloc_free_bytes": 200 * 2**20}) is None   # small
     assert malloc_advice({"peak_bytes_per_device": {}}) is None   # GPUs

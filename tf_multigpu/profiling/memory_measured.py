@@ -105,10 +105,12 @@ def malloc_advice(measured: dict) -> str | None:
     ended the run holding a large share of the peak free (at least a quarter of it, and 256
     MiB): memory in no tensor, that TCMalloc would not keep (`--malloc=tcmalloc`,
     tf_multigpu/malloc.py). None otherwise: with oneDNN's kernels TCMalloc saved nothing, and
-    a preloaded allocator was chosen already."""
+    where malloc is another library's (`malloc_library`; where that is unknown, anything in
+    LD_PRELOAD), an allocator was chosen already."""
     free, peak = measured.get("malloc_free_bytes"), measured.get("peak_rss_bytes", 0)
-    if (free is None or measured.get("cpu_kernels") != "Eigen" or measured.get("ld_preload")
-            or free < max(peak / 4, 256 * 2**20)):
+    library = measured.get("malloc_library")
+    chosen = not os.path.basename(library).startswith("libc.") if library else bool(measured.get("ld_preload"))
+    if free is None or measured.get("cpu_kernels") != "Eigen" or chosen or free < max(peak / 4, 256 * 2**20):
         return None
     return (f"glibc's malloc held {free / 2**30:.2f} GiB free when training ended, of a {peak / 2**30:.2f} GiB "
             "peak: memory no tensor uses, which it keeps instead of returning it. --malloc=tcmalloc keeps "
