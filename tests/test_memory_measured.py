@@ -177,3 +177,11 @@ def test_memory_table_names_an_unknown_config():
     done = run_module("tools.memory_table", "--configs=single,model_9x9", timeout=120)
     assert done.returncode != 0
     assert "--configs: unknown model_9x9" in done.stderr
+
+
+def test_memory_table_checks_malloc_before_its_first_run():
+    done = run_module("tools.memory_table", "--configs=single", "--malloc=jemalloc", timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("memory_table: error: --malloc=jemalloc is not one of system, tcmalloc"), last
+    assert "single ..." not in done.stderr   # no run was started
