@@ -1,6 +1,6 @@
 """--malloc: a training process started again with TCMalloc (or another allocator) preloaded,
-before TensorFlow starts, and the warning a run gives where glibc's malloc kept much of its
-peak.
+before TensorFlow starts -- by default (`auto`) where TensorFlow will run its own CPU kernels --
+and the warning a run gives where glibc's malloc kept much of its peak.
 
 The tests that need TCMalloc installed are skipped where it is not (a user's machine that has
 not installed it); CI installs Debian's libtcmalloc-minimal4 (.ci/run) and runs them."""
@@ -37,12 +37,12 @@ needs_tcmalloc = pytest.mark.skipif(TCMALLOC is None, reason="TCMalloc is not in
 
 def test_malloc_values_are_checked(tmp_path):
     assert malloc.library_path("system") is None   # nothing to preload
-    for value in ("system", "tcmalloc"):
+    for value in ("auto", "system", "tcmalloc"):
         Config(run_dir=str(tmp_path), malloc=value).validate()
     library = tmp_path / "libmine.so"
     library.write_bytes(b"")
     Config(run_dir=str(tmp_path), malloc=str(library)).validate()   # a file: the loader judges it
-    with pytest.raises(UsageError, match=r"^--malloc=jemalloc is not one of system, tcmalloc or a library's path"):
+    with pytest.raises(UsageError, match=r"^--malloc=jemalloc is not one of auto, system, tcmalloc or a library's"):
         Config(run_dir=str(tmp_path), malloc="jemalloc").validate()
     with pytest.raises(UsageError, match=r"^--malloc=/no/such/libjemalloc.so.2: no such file"):
         Config(run_dir=str(tmp_path), malloc="/no/such/libjemalloc.so.2").validate()
@@ -94,23 +94,66 @@ def test_python_c_cannot_start_again_and_says_so():
                                    "tf_multigpu.train, or set LD_PRELOAD yourself" in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("onednn", ["0", "1"])
+def test_tensorflow_says_which_kernels_it_will_run_before_it_starts(onednn, monkeypatch):
+    """TensorFlow's own answer, asked of a child process: what compat.onednn_enabled reads in a
+    process that runs TensorFlow (TF_ENABLE_ONEDNN_OPTS decides over the CPU's default)."""
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", onednn)
+    assert malloc.tensorflow_runs_onednn() is (onednn == "1")
+
+
+def test_auto_chooses_tcmalloc_only_for_tensorflows_own_kernels(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "argv", [os.path.join(REPO, "tf_multigpu", "train.py")])   # a program: can restart
+    monkeypatch.setattr(malloc, "_LIBRARY_DIRS", (str(tmp_path),))
+    library = tmp_path / malloc.TCMALLOC_LIBRARIES[0]
+    library.write_bytes(b"")
+    monkeypatch.setattr(malloc, "tensorflow_runs_onednn", lambda: False)   # Eigen's kernels
+    assert malloc.auto_choice() == (str(library), malloc._WHY_TCMALLOC.format(library))
+    monkeypatch.setattr(malloc, "tensorflow_runs_onednn", lambda: True)
+    path, why = malloc.auto_choice()
+    assert path is None and why.startswith("glibc's (TensorFlow runs oneDNN's CPU kernels here")
+    assert malloc.apply("auto").startswith("malloc: glibc's (TensorFlow runs oneDNN's")   # and no restart
+    monkeypatch.setattr(malloc, "tensorflow_runs_onednn", lambda: None)
+    assert malloc.auto_choice()[0] is None
+    monkeypatch.setattr(malloc, "tensorflow_runs_onednn", lambda: False)
+    library.unlink()   # TCMalloc not installed: glibc's, and the line names the package
+    path, why = malloc.auto_choice()
+    assert path is None and "is not installed: Debian/Ubuntu: apt install libtcmalloc-minimal4" in why
+    library.write_bytes(b"")
+    monkeypatch.setattr(malloc, "malloc_library", lambda: "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert malloc.auto_choice() == (None, "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2, which serves malloc already")
+    monkeypatch.setattr(malloc, "malloc_library", lambda: "/lib/x86_64-linux-gnu/libc.so.6")
+    monkeypatch.setattr(sys, "argv", ["-c"])   # python -c: keeps glibc's, no error
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None)
+    assert malloc.auto_choice() == (None, "glibc's ('-c' cannot be started again with another malloc)")
+
+
 @pytest.mark.slow
 @needs_tcmalloc
-def test_a_run_with_tcmalloc_runs_under_it(tmp_path):
-    """The installed console script starts again with TCMalloc preloaded: the meter finds
-    TCMalloc's malloc serving the process (dladdr), not merely named in LD_PRELOAD, and
-    config.json records the flag."""
+@pytest.mark.parametrize("flag,onednn,preloaded", [("--malloc=tcmalloc", "1", True), ("", "0", True), ("", "1", False)],
+                         ids=["tcmalloc", "auto-eigen", "auto-onednn"])
+def test_a_run_has_the_malloc_its_flag_and_kernels_ask_for(tmp_path, flag, onednn, preloaded):
+    """The installed console script starts again with TCMalloc preloaded when asked, and by
+    default (auto) where TensorFlow runs its own kernels, not where it runs oneDNN's: the meter
+    finds the library serving the process's malloc (dladdr), not merely named in LD_PRELOAD,
+    and config.json records the flag."""
     script = os.path.join(os.path.dirname(sys.executable), "tf-multigpu-train")
     done = subprocess.run([script, f"--run_dir={tmp_path / 'run'}", "--strategy=single", "--batch_size=32",
-                           "--steps=2", "--noexport", "--malloc=tcmalloc"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "--steps=2", "--noexport", *([flag] if flag else [])],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TF_ENABLE_ONEDNN_OPTS": onednn})
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, done.stdout   # one run's summary: the first process printed nothing
     measured = json.loads(lines[0])["memory_measured"]
-    assert measured["malloc_library"] == os.path.realpath(TCMALLOC), measured
-    assert measured["ld_preload"] == TCMALLOC, measured
-    assert json.load(open(tmp_path / "run" / "config.json"))["malloc"] == "tcmalloc"
+    assert measured["cpu_kernels"] == ("oneDNN" if onednn == "1" else "Eigen"), measured
+    if preloaded:
+        assert measured["malloc_library"] == os.path.realpath(TCMALLOC), measured
+        assert measured["ld_preload"] == TCMALLOC, measured
+    else:
+        assert os.path.basename(measured["malloc_library"]).startswith("libc."), measured
+        assert "ld_preload" not in measured, measured
+    assert json.load(open(tmp_path / "run" / "config.json"))["malloc"] == (flag.split("=")[-1] or "auto")
 
 
 def test_a_library_the_loader_refuses_is_one_line(tmp_path):

@@ -9,7 +9,13 @@ against 0.08 GiB on one device, and peaked at 1.51x one device's RSS where TCMal
 (BUILD_NOTES.md, "Twenty-seventh session"). No setting of glibc's gets that without costing
 time, and the allocator is fixed when a process starts, so `--malloc=tcmalloc` starts the
 process again (the same pid, arguments, interpreter options and environment) with TCMalloc's
-library preloaded.
+library preloaded. TCMalloc also made those steps faster (one device: 30% less time).
+
+`--malloc=auto`, the default, does that where TensorFlow will run its Eigen kernels and
+TCMalloc is installed, and keeps the system's malloc elsewhere: with oneDNN's kernels (whose
+memory oneDNN manages) TCMalloc saved nothing. Which kernels TensorFlow will run is its own
+decision (the CPU's features and TF_ENABLE_ONEDNN_OPTS), asked of it in a child process that
+loads its small util module only (`tensorflow_runs_onednn`, about 0.4 s), not copied here.
 
 Pure Python, no TensorFlow: `apply` runs before TensorFlow is imported, so the allocator it
 preloads serves every tensor.
@@ -18,6 +24,8 @@ preloads serves every tensor.
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
+import importlib.util
 import os
 import subprocess
 import sys
@@ -26,31 +34,33 @@ from absl import flags
 
 from tf_multigpu.errors import UsageError
 
+AUTO = "auto"
 SYSTEM = "system"
 TCMALLOC = "tcmalloc"
-NAMES = (SYSTEM, TCMALLOC)
+NAMES = (AUTO, SYSTEM, TCMALLOC)
 
 # gperftools' TCMalloc: the "minimal" library (the allocator without the heap profiler) first.
 # Debian and Ubuntu ship it as libtcmalloc-minimal4, Fedora as gperftools-libs.
 TCMALLOC_LIBRARIES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
-INSTALL_HINT = ("install it (Debian/Ubuntu: apt install libtcmalloc-minimal4; Fedora: dnf install "
-                "gperftools-libs) or give the library's path, --malloc=/path/to/libtcmalloc_minimal.so.4")
+PACKAGES = "Debian/Ubuntu: apt install libtcmalloc-minimal4; Fedora: dnf install gperftools-libs"
+INSTALL_HINT = f"install it ({PACKAGES}) or give the library's path, --malloc=/path/to/libtcmalloc_minimal.so.4"
 _LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
                  "/usr/local/lib", "/lib/x86_64-linux-gnu", "/lib64", "/lib")
 # Set in the process that is started again: the library it asked the loader for.
 _REQUESTED = "TF_MULTIGPU_MALLOC_PRELOADED"
 
 
-def define_flag(default: str = SYSTEM, flag_values=flags.FLAGS) -> None:
+def define_flag(default: str = AUTO, flag_values=flags.FLAGS) -> None:
     """Defines --malloc, once: tf-multigpu-train's flag, which tools that start training runs
     (tools/memory_table.py) take too, with the same meaning, in whichever order a process
     (the tests) imports them."""
     if "malloc" in flag_values:
         return
     flags.DEFINE_string(
-        "malloc", default, "The process's memory allocator: system (the C library's malloc), tcmalloc "
-        "(TCMalloc, preloaded: the process starts again with it before TensorFlow does), or a shared "
-        "library's path to preload (Linux). Where TensorFlow runs its own CPU kernels (oneDNN off: "
+        "malloc", default, "The process's memory allocator: auto (TCMalloc where TensorFlow will run its "
+        "own CPU kernels and TCMalloc is installed, else the system's), system (the C library's malloc), "
+        "tcmalloc (TCMalloc, preloaded: the process starts again with it before TensorFlow does), or a "
+        "shared library's path to preload (Linux). Where TensorFlow runs its own CPU kernels (oneDNN off: "
         "summary.json's memory_measured.cpu_kernels says Eigen), glibc's malloc keeps what a mesh's "
         "tensors free and TCMalloc does not: see README, 'Memory'.", flag_values=flag_values)
 
@@ -67,10 +77,12 @@ def check_value(value: str) -> None:
 
 
 def library_path(value: str) -> str | None:
-    """The shared library `value` asks for (None for `system`). UsageError where TCMalloc is
-    not installed, or on a system whose loader has no LD_PRELOAD."""
+    """The shared library `value` asks for (None for `system`; for `auto`, see `auto_choice`).
+    UsageError where TCMalloc is not installed, or on a system whose loader has no LD_PRELOAD."""
     if value == SYSTEM:
         return None
+    if value == AUTO:
+        return auto_choice()[0]
     if not sys.platform.startswith("linux"):
         raise UsageError(f"--malloc={value} works on Linux only (it preloads the library with LD_PRELOAD): "
                          "use --malloc=system")
@@ -106,17 +118,95 @@ def malloc_library() -> str | None:
     return os.path.realpath(info.dli_fname.decode())
 
 
-def apply(value: str) -> None:
-    """Makes this process run with the malloc `value` names: for `system`, nothing; otherwise,
-    unless that library already serves malloc, starts the process again with it preloaded
-    (never returns then). UsageError if the library cannot be found, the loader would not make
-    it serve malloc, or the command line cannot be started again. Call it before TensorFlow is
-    imported, and only from a program's entry point: it replaces the process (a caller's state
-    is lost; a test calls the program in a subprocess).
+def tensorflow_runs_onednn() -> bool | None:
+    """Whether TensorFlow, started in this process's environment, will run oneDNN's CPU
+    kernels: TensorFlow's own answer (`IsMklEnabled`, what compat.onednn_enabled reads once it
+    runs), asked before it starts, of a child process that loads only the small extension
+    module holding it, not TensorFlow. None where that cannot be asked (no TensorFlow, another
+    layout of its files, a child that fails)."""
+    try:
+        spec = importlib.util.find_spec("tensorflow")   # finds the package without importing it
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    util = os.path.join(list(spec.submodule_search_locations)[0], "python", "util")
+    candidates = [os.path.join(util, "_pywrap_util_port" + suffix) for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    found = [path for path in candidates if os.path.isfile(path)]
+    if not found:
+        return None
+    try:
+        done = subprocess.run([sys.executable, "-c", _ASK_ONEDNN, found[0]], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    answer = done.stdout.strip().splitlines()[-1:] if done.returncode == 0 else []
+    return {"1": True, "0": False}.get(answer[0]) if answer else None
+
+
+_ASK_ONEDNN = """import importlib.util, sys
+spec = importlib.util.spec_from_file_location("_pywrap_util_port", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print(int(module.IsMklEnabled()))"""
+
+
+def auto_choice() -> tuple[str | None, str]:
+    """What `--malloc=auto` preloads, and why: (TCMalloc's path, reason) where TensorFlow will
+    run its own (Eigen) CPU kernels on glibc's malloc, TCMalloc is installed and the process
+    can be started again; otherwise (None, reason), and the process keeps the malloc it has.
+    Never an error: nobody asked for an allocator."""
+    if not sys.platform.startswith("linux"):
+        return None, "the system's (preloading works on Linux only)"
+    serving, requested = malloc_library(), os.environ.get(_REQUESTED)
+    if serving is None:
+        return None, "the system's (the process cannot tell which library serves malloc)"
+    if requested and serving == os.path.realpath(requested):   # started again by apply: done
+        return requested, _WHY_TCMALLOC.format(requested)
+    if not os.path.basename(serving).startswith("libc."):
+        return None, f"{serving}, which serves malloc already"
+    if requested:
+        return None, f"glibc's: the loader would not preload {requested} (its reason may be printed above)"
+    try:   # the cheap checks first: the question to TensorFlow takes a child process
+        _command(AUTO)
+    except UsageError:
+        return None, f"glibc's ({sys.argv[0]!r} cannot be started again with another malloc)"
+    try:
+        path = library_path(TCMALLOC)
+    except UsageError:
+        return None, ("glibc's (TCMalloc, which keeps far less where TensorFlow runs its own CPU kernels, is not "
+                      f"installed: {PACKAGES})")
+    onednn = tensorflow_runs_onednn()
+    if onednn is None:
+        return None, "glibc's (TensorFlow could not say which CPU kernels it will run)"
+    if onednn:
+        return None, "glibc's (TensorFlow runs oneDNN's CPU kernels here, where TCMalloc saves nothing)"
+    return path, _WHY_TCMALLOC.format(path)
+
+
+_WHY_TCMALLOC = ("TCMalloc ({}): TensorFlow runs its own CPU kernels here, and glibc's malloc keeps what their "
+                 "tensors free")
+
+
+def apply(value: str) -> str:
+    """Makes this process run with the malloc `value` names: for `system`, nothing; for `auto`,
+    what `auto_choice` says; otherwise, unless that library already serves malloc, starts the
+    process again with it preloaded (never returns then). Returns a line saying which malloc
+    the process runs with, for the log. UsageError (never for `auto`) if the library cannot be
+    found, the loader would not make it serve malloc, or the command line cannot be started
+    again. Call it before TensorFlow is imported, and only from a program's entry point: it
+    replaces the process (a caller's state is lost; a test calls the program in a subprocess).
     """
-    path = library_path(value)
-    if path is None or malloc_library() == os.path.realpath(path):
-        return
+    if value == AUTO:
+        path, why = auto_choice()
+        if path is None:
+            return f"malloc: {why} (--malloc=auto)"
+    else:
+        path = why = library_path(value)
+        if path is None:
+            return "malloc: the system's (--malloc=system)"
+    if malloc_library() == os.path.realpath(path):
+        return f"malloc: {why} (--malloc={value})"
     if os.environ.get(_REQUESTED) == path:   # we were started again with it, and it does not serve malloc
         raise UsageError(f"--malloc={value}: the loader would not make {path} this process's malloc (a reason "
                          "may be printed above): give the path of an allocator's shared library, or use "

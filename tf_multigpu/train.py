@@ -12,7 +12,7 @@ status 1.
 
 import json
 
-from absl import flags
+from absl import flags, logging
 
 from tf_multigpu import cli, malloc
 from tf_multigpu.cli import DOES_NOT_FIT
@@ -31,7 +31,7 @@ def main(argv):
     cluster = None
     try:
         cfg = run_flags.config_from_flags()
-        malloc.apply(cfg.malloc)   # may start the process again, with the allocator preloaded
+        logging.info(malloc.apply(cfg.malloc))   # may start the process again, with the allocator preloaded
         from tf_multigpu.parallel import cluster as clusters  # pure Python (Slurm's resolver starts TensorFlow)
         cluster = clusters.resolve_cluster(cfg.worker_hosts, cfg.task_index, start_tensorflow=cli.start_tensorflow)
         # before TensorFlow starts, and before a worker waits for its peers

@@ -94,7 +94,7 @@ class Config:
     worker_hosts: str = ""        # every worker's host:port, same list everywhere ("": TF_CONFIG, Slurm, one process)
     task_index: int | None = None   # this worker's position in worker_hosts (0 is the chief)
     peer_timeout: int = 60        # seconds without a heartbeat before a worker is declared lost
-    malloc: str = "system"        # system | tcmalloc | a library's path: preloaded before TensorFlow starts
+    malloc: str = "auto"          # auto | system | tcmalloc | a library's path: preloaded before TensorFlow starts
 
     # Parsed from the flags above when the config is built (a bad value is a UsageError then).
     mesh_shape: dict | None = dataclasses.field(init=False, repr=False, compare=False)   # --mesh; None: derived
