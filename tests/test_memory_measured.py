@@ -183,5 +183,5 @@ def test_memory_table_checks_malloc_before_its_first_run():
     done = run_module("tools.memory_table", "--configs=single", "--malloc=jemalloc", timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("memory_table: error: --malloc=jemalloc is not one of system, tcmalloc"), last
+    assert last.startswith("memory_table: error: --malloc=jemalloc is not one of auto, system, tcmalloc"), last
     assert "single ..." not in done.stderr   # no run was started

@@ -188,3 +188,30 @@ def test_learning_rate_schedules_and_their_warm_up(schedule):
         assert [rate(s, 10) for s in (10, 55, 100)] == pytest.approx([0.1, 0.05, 0.0], abs=1e-7)
     else:                      # then the schedule's own boundaries, in steps from the start
         assert [rate(s, 10) for s in range(10, 100)] == pytest.approx([rate(s) for s in range(10, 100)])
+
+
+@pytest.mark.in_process_mesh
+def test_the_eval_step_names_its_loops_apart_from_the_train_steps(devices):
+    """DTensor outlines each while loop as functions named after its op ('<layer>/while_cond',
+    '.../while_body'), and the train and eval steps loop over the same layers with different
+    bodies (training keeps what the gradient needs): with the same names, the eval step could
+    not be added ("Cannot add function 'separable_convnet_1/sep_column_1/while_cond' because a
+    different function with the same name already exists"; under TCMalloc, 1 run in 2). The
+    eval step's forward is in its own name scope. Model 1x2, Xception's separable layers."""
+    from tf_multigpu.data import load_source
+    from tf_multigpu.training.run import build_run
+    from tf_multigpu.training.step import make_eval_step, make_train_step
+
+    cfg = Config(strategy="model", model="tests.user_models:separable_convnet", batch_size=8, steps=1,
+                 mesh="model:2", layout="filter_split", dataset="synthetic", image_size=16)
+    run = build_run(cfg, devices[:2], source=load_source("synthetic", image_size=16))
+    images, labels = next(iter(run.train_batches()))
+
+    def loops(step, *args):
+        graph = tf.function(step).get_concrete_function(*args).graph
+        return {op.name for op in graph.get_operations() if op.type in ("While", "StatelessWhile")}
+
+    trained = loops(make_train_step(run.model, run.optimizer, 8), images, labels)
+    evaluated = loops(make_eval_step(run.model), images, labels, tf.ones_like(labels))
+    assert trained and evaluated, (trained, evaluated)
+    assert not trained & evaluated, sorted(trained & evaluated)

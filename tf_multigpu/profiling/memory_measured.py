@@ -36,7 +36,7 @@ import sys
 
 import tensorflow as tf
 
-from tf_multigpu.malloc import malloc_library
+from tf_multigpu.malloc import PACKAGES, malloc_library
 
 
 def rss_bytes() -> int:
@@ -103,18 +103,19 @@ def malloc_free_bytes() -> int | None:
 def malloc_advice(measured: dict) -> str | None:
     """A one-line hint where TensorFlow's own (Eigen) CPU kernels ran on glibc's malloc and it
     ended the run holding a large share of the peak free (at least a quarter of it, and 256
-    MiB): memory in no tensor, that TCMalloc would not keep (`--malloc=tcmalloc`,
-    tf_multigpu/malloc.py). None otherwise: with oneDNN's kernels TCMalloc saved nothing, and
-    where malloc is another library's (`malloc_library`; where that is unknown, anything in
-    LD_PRELOAD), an allocator was chosen already."""
+    MiB): memory in no tensor, that TCMalloc would not keep (`--malloc=tcmalloc`, which
+    `--malloc=auto` picks where it is installed; tf_multigpu/malloc.py). None otherwise: with
+    oneDNN's kernels TCMalloc saved nothing, and where malloc is another library's
+    (`malloc_library`; where that is unknown, anything in LD_PRELOAD), an allocator was
+    chosen already."""
     free, peak = measured.get("malloc_free_bytes"), measured.get("peak_rss_bytes", 0)
     library = measured.get("malloc_library")
     chosen = not os.path.basename(library).startswith("libc.") if library else bool(measured.get("ld_preload"))
     if free is None or measured.get("cpu_kernels") != "Eigen" or chosen or free < max(peak / 4, 256 * 2**20):
         return None
     return (f"glibc's malloc held {free / 2**30:.2f} GiB free when training ended, of a {peak / 2**30:.2f} GiB "
-            "peak: memory no tensor uses, which it keeps instead of returning it. --malloc=tcmalloc keeps "
-            "far less (README, 'Memory')")
+            "peak: memory no tensor uses, which it keeps instead of returning it. TCMalloc keeps far less: "
+            f"--malloc=tcmalloc, the default's choice once it is installed ({PACKAGES}; README, 'Memory')")
 
 
 def _reset_cpu_allocator_stats() -> bool:

@@ -47,7 +47,11 @@ def make_eval_step(model):
     """(images, labels, weights) -> {loss_sum, correct, count} over rows with weight 1."""
 
     def eval_step(images, labels, weights):
-        logits = _loss_precision(model(images, training=False))
+        # Its own scope: DTensor outlines a while loop (split_layers_modern.py's sums) as
+        # functions named after the op, and the train step's loops, with other bodies, have
+        # the same names without it ("Cannot add function ... already exists").
+        with tf.name_scope("eval"):
+            logits = _loss_precision(model(images, training=False))
         per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
         return _sums(per_example, logits, labels, weights)
 
