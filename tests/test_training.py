@@ -191,13 +191,13 @@ def test_learning_rate_schedules_and_their_warm_up(schedule):
 
 
 @pytest.mark.in_process_mesh
-def test_the_eval_step_names_its_loops_apart_from_the_train_steps(devices):
-    """DTensor outlines each while loop as functions named after its op ('<layer>/while_cond',
-    '.../while_body'), and the train and eval steps loop over the same layers with different
-    bodies (training keeps what the gradient needs): with the same names, the eval step could
-    not be added ("Cannot add function 'separable_convnet_1/sep_column_1/while_cond' because a
-    different function with the same name already exists"; under TCMalloc, 1 run in 2). The
-    eval step's forward is in its own name scope. Model 1x2, Xception's separable layers."""
+def test_only_the_train_step_has_while_loops(devices):
+    """TensorFlow 2.21's DTensor names a while loop's outlined functions through a cache keyed
+    by the loop op's address, which outlives the compilation: a second function with loops
+    could get the first one's names, and its first evaluation failed ("Cannot add function
+    'while_4_body' because a different function with the same name already exists"; 1 run in
+    5 of MobileNetV2 on 2x2, BUILD_NOTES "Limits hit"). The split layers' tap sums loop in
+    the train step and are unrolled in the eval step. Model 1x2, Xception's separable layers."""
     from tf_multigpu.data import load_source
     from tf_multigpu.training.run import build_run
     from tf_multigpu.training.step import make_eval_step, make_train_step
@@ -209,9 +209,7 @@ def test_the_eval_step_names_its_loops_apart_from_the_train_steps(devices):
 
     def loops(step, *args):
         graph = tf.function(step).get_concrete_function(*args).graph
-        return {op.name for op in graph.get_operations() if op.type in ("While", "StatelessWhile")}
+        return [op.name for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
 
-    trained = loops(make_train_step(run.model, run.optimizer, 8), images, labels)
-    evaluated = loops(make_eval_step(run.model), images, labels, tf.ones_like(labels))
-    assert trained and evaluated, (trained, evaluated)
-    assert not trained & evaluated, sorted(trained & evaluated)
+    assert len(loops(make_train_step(run.model, run.optimizer, 8), images, labels)) >= 6   # fwd and bwd
+    assert loops(make_eval_step(run.model), images, labels, tf.ones_like(labels)) == []

@@ -31,6 +31,7 @@ the placement plan right after construction, as for split_layers.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import ClassVar, NamedTuple
 
@@ -171,12 +172,41 @@ def _slicer(x, begin, size, rest, view, kw):
     return read
 
 
+# True while a function that only runs forward is traced (`taps_unrolled`).
+_unrolled = False
+
+
+@contextlib.contextmanager
+def taps_unrolled():
+    """Traces `_tap_sum` unrolled, no while loop: for the eval step. TensorFlow 2.21's DTensor
+    names the functions it outlines from a while loop through a name cache that outlives the
+    module and is keyed by the loop op's address: a later function whose loop op reuses a
+    freed one's address gets that op's name, and adding it to the context's library fails
+    ("Cannot add function 'while_4_body' because a different function with the same name
+    already exists"; BUILD_NOTES, "Limits hit"). So only one function with loops (the train
+    step) may be compiled on a mesh in a process. Unrolled, a forward holds its taps at once
+    (n tap-sized tensors of one layer); the train step, which holds every layer's saved
+    activations, keeps its loops."""
+    global _unrolled
+    before, _unrolled = _unrolled, True
+    try:
+        yield
+    finally:
+        _unrolled = before
+
+
 def _tap_sum(term, n):
     """sum over t < n of term(t), one term alive at a time: a tf.while_loop whose iterations
     run in turn. Unrolled, every tap's slice depends on x alone, so TensorFlow's executor runs
     them all as soon as x exists and the sum holds n tap-sized tensors (measured: a depthwise
     3x3 layer's fwd+bwd peaked at 12-17 input maps, 2.4 for the stock op); DTensor's SPMD
-    expansion drops the control edges that could order them."""
+    expansion drops the control edges that could order them. Unrolled under `taps_unrolled`,
+    in the order of the loop (the same sums, bit for bit)."""
+    if _unrolled:
+        total = term(0)
+        for t in range(1, n):
+            total = total + term(t)
+        return total
     _, total = tf.while_loop(lambda t, _: t < n, lambda t, acc: (t + 1, acc + term(t)),
                              (tf.constant(1), term(0)), parallel_iterations=1)
     return total

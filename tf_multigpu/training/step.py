@@ -7,6 +7,8 @@ and sums the returned scalars over replicas; means are formed from sums and coun
 import keras
 import tensorflow as tf
 
+from tf_multigpu.parallel.split_layers_modern import taps_unrolled
+
 # What every step returns: float32 scalars, summed over replicas (and steps) by the loop.
 SCALARS = ("loss_sum", "correct", "count")
 
@@ -47,10 +49,9 @@ def make_eval_step(model):
     """(images, labels, weights) -> {loss_sum, correct, count} over rows with weight 1."""
 
     def eval_step(images, labels, weights):
-        # Its own scope: DTensor outlines a while loop (split_layers_modern.py's sums) as
-        # functions named after the op, and the train step's loops, with other bodies, have
-        # the same names without it ("Cannot add function ... already exists").
-        with tf.name_scope("eval"):
+        # No while loops: DTensor may give this function's loops the names of the train
+        # step's (split_layers_modern.taps_unrolled).
+        with taps_unrolled():
             logits = _loss_precision(model(images, training=False))
         per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
         return _sums(per_example, logits, labels, weights)
