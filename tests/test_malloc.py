@@ -35,8 +35,11 @@ TCMALLOC = _tcmalloc()
 needs_tcmalloc = pytest.mark.skipif(TCMALLOC is None, reason="TCMalloc is not installed (CI installs it: .ci/run)")
 
 
-def test_malloc_values_are_checked(tmp_path):
+def test_malloc_values_are_checked(tmp_path, monkeypatch):
     assert malloc.library_path("system") is None   # nothing to preload
+    # ... and the log names the library that serves malloc, a user's own preload included
+    monkeypatch.setattr(malloc, "malloc_library", lambda: "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert malloc.apply("system") == "malloc: /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 (--malloc=system)"
     for value in ("auto", "system", "tcmalloc"):
         Config(run_dir=str(tmp_path), malloc=value).validate()
     library = tmp_path / "libmine.so"
@@ -103,6 +106,9 @@ def test_tensorflow_says_which_kernels_it_will_run_before_it_starts(onednn, monk
 
 
 def test_auto_chooses_tcmalloc_only_for_tensorflows_own_kernels(monkeypatch, tmp_path):
+    # glibc's serves malloc and nothing was asked of the loader, whatever runs the test
+    monkeypatch.setattr(malloc, "malloc_library", lambda: "/lib/x86_64-linux-gnu/libc.so.6")
+    monkeypatch.delenv(malloc._REQUESTED, raising=False)
     monkeypatch.setattr(sys, "argv", [os.path.join(REPO, "tf_multigpu", "train.py")])   # a program: can restart
     monkeypatch.setattr(malloc, "_LIBRARY_DIRS", (str(tmp_path),))
     library = tmp_path / malloc.TCMALLOC_LIBRARIES[0]
@@ -123,6 +129,12 @@ def test_auto_chooses_tcmalloc_only_for_tensorflows_own_kernels(monkeypatch, tmp
     monkeypatch.setattr(malloc, "malloc_library", lambda: "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
     assert malloc.auto_choice() == (None, "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2, which serves malloc already")
     monkeypatch.setattr(malloc, "malloc_library", lambda: "/lib/x86_64-linux-gnu/libc.so.6")
+    monkeypatch.setenv(malloc._REQUESTED, str(library))   # started again with it, and glibc's still serves
+    assert malloc.auto_choice()[1].startswith(f"glibc's: the loader would not preload {library}")
+    monkeypatch.setattr(malloc, "malloc_library", lambda: os.path.realpath(library))   # ... it serves: done
+    assert malloc.auto_choice() == (str(library), malloc._WHY_TCMALLOC.format(library))
+    monkeypatch.setattr(malloc, "malloc_library", lambda: "/lib/x86_64-linux-gnu/libc.so.6")
+    monkeypatch.delenv(malloc._REQUESTED)
     monkeypatch.setattr(sys, "argv", ["-c"])   # python -c: keeps glibc's, no error
     monkeypatch.setattr(sys.modules["__main__"], "__spec__", None)
     assert malloc.auto_choice() == (None, "glibc's ('-c' cannot be started again with another malloc)")

@@ -209,10 +209,10 @@ def gpu_memory_limits() -> list[int]:
 def onednn_enabled() -> bool | None:
     """Whether this process runs oneDNN's CPU kernels (None where TensorFlow cannot say).
 
-    TensorFlow decides at start-up, from TF_ENABLE_ONEDNN_OPTS and the CPU (on by default
-    with AVX-512 on x86, off without it), and no public API reports the outcome; its own test
-    utilities read this flag (`test_util.IsMklEnabled`).
-    """
+    TensorFlow decides at start-up, from TF_ENABLE_ONEDNN_OPTS and the CPU (TF 2.21 on x86: on
+    by default with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX, off otherwise; port.cc), and no
+    public API reports the outcome; its own test utilities read this flag
+    (`test_util.IsMklEnabled`)."""
     try:
         from tensorflow.python.util import _pywrap_util_port
         return bool(_pywrap_util_port.IsMklEnabled())

@@ -204,7 +204,9 @@ def apply(value: str) -> str:
     else:
         path = why = library_path(value)
         if path is None:
-            return "malloc: the system's (--malloc=system)"
+            # the library that serves malloc: the C library's, or one preloaded outside tf_multigpu
+            serving = malloc_library() or "the system's"
+            return f"malloc: {serving} (--malloc=system)"
     if malloc_library() == os.path.realpath(path):
         return f"malloc: {why} (--malloc={value})"
     if os.environ.get(_REQUESTED) == path:   # we were started again with it, and it does not serve malloc

@@ -40,6 +40,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tf_multigpu.errors import UsageError
+from tf_multigpu.parallel.split_conv import _zero_from
 from tf_multigpu.parallel.split_conv import same_pads as _same_pads
 
 U = dtensor.UNSHARDED
@@ -184,9 +185,7 @@ def taps_unrolled():
     freed one's address gets that op's name, and adding it to the context's library fails
     ("Cannot add function 'while_4_body' because a different function with the same name
     already exists"; BUILD_NOTES, "Limits hit"). So only one function with loops (the train
-    step) may be compiled on a mesh in a process. Unrolled, a forward holds its taps at once
-    (n tap-sized tensors of one layer); the train step, which holds every layer's saved
-    activations, keeps its loops."""
+    step) is compiled on a mesh in a process; the train step keeps them."""
     global _unrolled
     before, _unrolled = _unrolled, True
     try:
@@ -200,12 +199,15 @@ def _tap_sum(term, n):
     run in turn. Unrolled, every tap's slice depends on x alone, so TensorFlow's executor runs
     them all as soon as x exists and the sum holds n tap-sized tensors (measured: a depthwise
     3x3 layer's fwd+bwd peaked at 12-17 input maps, 2.4 for the stock op); DTensor's SPMD
-    expansion drops the control edges that could order them. Unrolled under `taps_unrolled`,
-    in the order of the loop (the same sums, bit for bit)."""
+    expansion drops the control edges that could order them. Under `taps_unrolled` the sum is
+    unrolled in the loop's order (the same sums, bit for bit), each tap's index made to wait
+    for the sum so far (`_zero_from`: a data dependency, one 4-byte all-reduce on a mesh), so
+    that one tap is alive at a time there too: with its taps made at once, an eval step's 7x7
+    depthwise layer peaked at 4x the train step (BUILD_NOTES, "Twenty-eighth session")."""
     if _unrolled:
         total = term(0)
         for t in range(1, n):
-            total = total + term(t)
+            total = total + term(tf.constant(t) + _zero_from(total))
         return total
     _, total = tf.while_loop(lambda t, _: t < n, lambda t, acc: (t + 1, acc + term(t)),
                              (tf.constant(1), term(0)), parallel_iterations=1)
