@@ -217,7 +217,7 @@ def test_layer_normalization_statistics_measured_equal_the_plans(tmp_path):
         elif "/norm_1/" in c["name"]:   # conv2's gather of its input, which DTensor runs on its producer
             gathered += c["payload_bytes"]
         elif "/conv2_1/" in c["name"] and c["payload_bytes"] > 4:   # not the scalar that orders
-            conv2.append((c["op"], c["forward"], c["payload_bytes"]))  # its chunks (split_conv._zero_from)
+            conv2.append((c["op"], c["forward"], c["payload_bytes"]))  # its chunks (split_conv.zero_from)
     plan = make_plan(layernorm_convnet((16, 16, 3), 1000), "filter_split", [], {"batch": 1, "model": 2})
     planned = {c.phase == "forward": 8 * c.elems_per_example * 4 for c in plan["norm"].collectives}
     assert measured == planned == {True: 8 * 2 * 16 * 16 * 4, False: 8 * 2 * 16 * 16 * 4}

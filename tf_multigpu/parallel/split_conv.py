@@ -126,14 +126,14 @@ def _map_chunks(fn, flat, wp: int, kh: int, kw: int, ow: int, chunks, flip: bool
     for r0, r1 in chunks:
         index = tf.constant(_patch_index(wp, kh, kw, r1 - r0, ow, r0, flip))
         if prev is not None:
-            index = index + _zero_from(prev)
+            index = index + zero_from(prev)
         patches = tf.reshape(tf.gather(flat, index, axis=1), [-1, r1 - r0, ow, kh * kw, c])
         out.append(fn(r0, r1, patches))
         prev = out[-1]
     return out
 
 
-def _zero_from(t):
+def zero_from(t):
     """An int32 0 that cannot be computed before `t`: a scalar sum of t (of its first pixel
     for an image or patches; under DTensor one all-reduce of 4 bytes) compared with +inf, which
     nothing -- not even NaN -- exceeds. Graph optimisers cannot fold it away. Only unsharded

@@ -40,8 +40,8 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tf_multigpu.errors import UsageError
-from tf_multigpu.parallel.split_conv import _zero_from
 from tf_multigpu.parallel.split_conv import same_pads as _same_pads
+from tf_multigpu.parallel.split_conv import zero_from as _zero_from
 
 U = dtensor.UNSHARDED
 
@@ -201,7 +201,7 @@ def _tap_sum(term, n):
     3x3 layer's fwd+bwd peaked at 12-17 input maps, 2.4 for the stock op); DTensor's SPMD
     expansion drops the control edges that could order them. Under `taps_unrolled` the sum is
     unrolled in the loop's order (the same sums, bit for bit), each tap's index made to wait
-    for the sum so far (`_zero_from`: a data dependency, one 4-byte all-reduce on a mesh), so
+    for the sum so far (`split_conv.zero_from`: a data dependency, one 4-byte all-reduce on a mesh), so
     that one tap is alive at a time there too: with its taps made at once, an eval step's 7x7
     depthwise layer peaked at 4x the train step (BUILD_NOTES, "Twenty-eighth session")."""
     if _unrolled:
@@ -363,7 +363,7 @@ def one_after(t, like):
     that cannot be computed before t: t's first pixel compared with +inf (nothing, not even
     NaN, exceeds it, so no optimiser folds it). A data dependency, since DTensor's SPMD
     expansion drops control edges; one per example and channel, reduced over no sharded
-    axis, so without a collective (split_conv's `_zero_from` sums to a scalar, a 4-byte
+    axis, so without a collective (split_conv's `zero_from` sums to a scalar, a 4-byte
     all-reduce on a mesh)."""
     spatial = min(3, t.shape.rank - 1)   # [B, H, W, C, ...]: H and W; [B, C]: none
     first = tf.slice(t, [0] * t.shape.rank, [-1] + [1] * (spatial - 1) + [-1] * (t.shape.rank - spatial))
@@ -443,7 +443,8 @@ class _Nhwc:
 
 class SliceAvgPool2D(_Nhwc, keras.layers.AveragePooling2D):
     """Average pooling as the sum of pool_size^2 strided slices over the count of non-padded
-    cells (Keras/TF 'same' semantics): exact, layout-preserving, no communication."""
+    cells (Keras/TF 'same' semantics): exact, layout-preserving, no communication (in the eval
+    step, 4 bytes per tap where it sums taps: `_tap_sum`)."""
 
     VARIABLE_SPECS: ClassVar[dict] = {}
     SPLITS_OUTPUT = True
@@ -541,7 +542,8 @@ def depthwise_conv2d(x, kernel, strides, padding):
 
 class SplitDepthwiseConv2D(_Nhwc, _OnMesh, keras.layers.DepthwiseConv2D):
     """DepthwiseConv2D on channel-split activations, kernel split on its channel dim:
-    no communication (each device convolves its own channels)."""
+    no communication (each device convolves its own channels) in the train step; the eval
+    step's unrolled sum all-reduces 4 bytes per tap to keep its taps in order (`_tap_sum`)."""
 
     VARIABLE_SPECS: ClassVar[dict] = {"kernel": "-,-,model,-", "bias": "model"}
     SPLITS_OUTPUT = True
@@ -619,7 +621,8 @@ def grouped_conv2d(x, kernel, groups, strides, padding):
 
 class SplitGroupedConv2D(_Nhwc, _OnMesh, keras.layers.Conv2D):
     """Conv2D with groups > 1 on channel-split activations, kernel split on its filters:
-    no communication; the model axis must divide `groups` (checked when built)."""
+    no communication (the eval step: 4 bytes per tap, `_tap_sum`); the model axis must
+    divide `groups` (checked when built)."""
 
     VARIABLE_SPECS: ClassVar[dict] = {"kernel": "-,-,-,model", "bias": "model"}
     SPLITS_OUTPUT = True

@@ -115,7 +115,7 @@ def malloc_advice(measured: dict) -> str | None:
         return None
     return (f"glibc's malloc held {free / 2**30:.2f} GiB free when training ended, of a {peak / 2**30:.2f} GiB "
             "peak: memory no tensor uses, which it keeps instead of returning it. TCMalloc keeps far less: "
-            f"--malloc=tcmalloc, which the default picks where TensorFlow runs its own kernels and TCMalloc is "
+            "--malloc=tcmalloc, which the default picks where TensorFlow runs its own kernels and TCMalloc is "
             f"installed ({PACKAGES}; README, 'Memory')")
 
 
