@@ -51,13 +51,26 @@ Counted from the placement plan, per device:
                           "Memory, fourth pass");
   reduction_buffers       the gradient all-reduce's buffers: MirroredStrategy packs every
                           gradient into one buffer and receives the sum into another (2 x the
-                          gradients); DTensor all-reduces each gradient of a layer shared by
-                          several batch groups into a new tensor (1 x those gradients; with
-                          DTensor's all-reduce combining, which dtensor_mesh.py turns off, it
-                          would be 3 x).
-  total                   their sum, except under MirroredStrategy's packed all-reduce, which
-                          separates the backward, the all-reduce and the update in time: there
-                          the largest of the three phases' own parts (`_peak`).
+                          gradients). DTensor's all-reduce of a gradient runs in place
+                          (CollectiveReduceV2 forwards its input: a hybrid step's trace has no
+                          new tensor for fc6's reduced gradient), so 0 there (with DTensor's
+                          all-reduce combining, which dtensor_mesh.py turns off, it would not be).
+  total                   the persistent parts (parameters, slots, input, gradients) plus what
+                          is alive at the larger of two moments:
+                          - during the backward: activations, transient, and the updates of
+                            the variables updated during it (all at once: the upper bound above);
+                          - after the backward: one update, the largest of the variables whose
+                            gradient DTensor all-reduces over several devices outside a
+                            split-aware layer (a stock layer's kernel, every bias). Those
+                            all-reduces run one after another in the optimizer's variable order,
+                            the first layer's first, so after the whole backward, and each
+                            update waits for its own. The trace of a hybrid 2x2 AlexNet step
+                            (224, batch 64; BUILD_NOTES.md, "Twenty-ninth session"): fc6's
+                            gradient all-reduced after conv1's backward, then fc6 updated, then
+                            fc7; conv2's kernel, summed inside SplitConv2D, updated during it;
+                          under MirroredStrategy's packed all-reduce, which separates the
+                          backward, the all-reduce and the update in time, the largest of the
+                          three phases' own parts (`_peak`).
 Beside them, per process and in host memory, not on any device (`host_bytes`):
   input_pipeline          the decoded float32 batches tf.data keeps in flight for training
                           (data/pipeline.py's AUTOTUNE'd parallel map and prefetch): measured
@@ -182,18 +195,24 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
     "update", "reduction_buffers", "total"} in bytes, for one device of a step on
     `global_batch` examples."""
     group_batch = global_batch // plan.mesh["batch"]
-    params = grads = slots = reduced = 0
+    params = grads = slots = 0
+    during = [0, 0]    # gradients and slots of the variables updated during the backward
+    after_update = 0   # the largest update of those updated after it
     for layer in plan.layers:
         for path, shape in layer.node.weights.items():
             local = plan.local_elems(path, shape)
             params += local
             if path in layer.node.trainable:
                 grads += local
-                slots += plan.local_slot_elems(path, shape)
-                reduced += local if plan.gradient_group(layer) > 1 else 0
+                slot = plan.local_slot_elems(path, shape)
+                slots += slot
+                if _updated_after_backward(plan, layer, path):   # one after another
+                    after_update = max(after_update, _update_elems(plan, local, slot, slots_per_parameter))
+                else:
+                    during = [during[0] + local, during[1] + slot]
     # one process' tf.distribute data parallelism (a replicated plan) packs all gradients
     packed = not plan.layout and plan.mesh["batch"] > 1
-    buffers = 2 * grads if packed else reduced
+    buffers = 2 * grads if packed else 0
     saved = saved_elems(plan)
     activations = sum(saved.values()) * group_batch
     # The backward runs the layers last to first and frees what each kept once it has run:
@@ -211,8 +230,19 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
            "transient": transient * BYTES_PER_VALUE,
            "update": _update_elems(plan, grads, slots, slots_per_parameter) * BYTES_PER_VALUE,
            "reduction_buffers": buffers * BYTES_PER_VALUE}
-    out["total"] = _peak(out, packed)
+    out["total"] = _peak(out, packed, _update_elems(plan, *during, slots_per_parameter) * BYTES_PER_VALUE,
+                         after_update * BYTES_PER_VALUE)
     return out
+
+
+def _updated_after_backward(plan: PlacementPlan, layer, path: str) -> bool:
+    """Whether variable `path`'s update runs only after the backward: its gradient is summed
+    over several devices by DTensor where the optimizer reads it (every variable of a layer
+    sharing its weights across devices, but a SplitConv2D's kernel, whose own gradient sums
+    the batch groups inside the layer; parallel/split_conv.py)."""
+    if not plan.layout or plan.gradient_group(layer) == 1:
+        return False
+    return not (layer.impl == "SplitConv2D" and path == layer.node.weight("kernel"))
 
 
 def largest_batch(plan: PlacementPlan, limit_bytes: int, step: int, slots_per_parameter: int = 1) -> int:
@@ -233,21 +263,22 @@ def largest_batch(plan: PlacementPlan, limit_bytes: int, step: int, slots_per_pa
     return low * step
 
 
-def _peak(parts: dict, packed: bool) -> int:
-    """The parts' sum; where every gradient goes through one packed all-reduce, less. That
-    all-reduce needs the whole backward done, and the update needs it, so what only the
-    backward holds (activations, its transient), the all-reduce's buffers and the update's
-    temporaries are never alive together: the persistent parts and the gradients, plus the
-    largest of the three. (AlexNet 224/64, data x2 / x4 on logical CPUs: the sum was 1.42x /
-    1.50x the measured peak above the baseline, this is 0.94x / 1.06x; BUILD_NOTES.md,
-    "Eighteenth session".) Elsewhere each gradient's update may start as soon as that
-    gradient exists (DTensor, one device), while the backward still holds its activations.
-    The plan does not know the all-reduce's algorithm: --all_reduce=one_device, which reduces
-    each gradient on its own, gets this too, and is over-estimated (data x4: 1.34x)."""
-    if not packed:
-        return sum(parts.values())
+def _peak(parts: dict, packed: bool, update_during: int, update_after: int) -> int:
+    """The persistent parts and the gradients plus the larger of what the backward holds
+    (activations, its transient, the updates that run during it: `update_during` bytes) and
+    the largest update that waits for it (`update_after`). Where every gradient goes through
+    one packed all-reduce, that all-reduce needs the whole backward done, and the update needs
+    it, so what only the backward holds, the all-reduce's buffers and the update's
+    temporaries are never alive together: the largest of the three. (AlexNet 224/64, data x2
+    / x4 on logical CPUs: the sum was 1.42x / 1.50x the measured peak above the baseline,
+    this is 0.94x / 1.06x; BUILD_NOTES.md, "Eighteenth session".) The plan does not know the
+    all-reduce's algorithm: --all_reduce=one_device, which reduces each gradient on its own,
+    gets this too, and is over-estimated (data x4: 1.34x)."""
     persistent = parts["parameters"] + parts["optimizer_slots"] + parts["input"] + parts["gradients"]
-    return persistent + max(parts["activations"] + parts["transient"], parts["reduction_buffers"], parts["update"])
+    backward = parts["activations"] + parts["transient"]
+    if packed:
+        return persistent + max(backward, parts["reduction_buffers"], parts["update"])
+    return persistent + max(backward + parts["reduction_buffers"] + update_during, update_after)
 
 
 def _update_elems(plan: PlacementPlan, grads: int, slots: int, slots_per_parameter: int) -> int:
