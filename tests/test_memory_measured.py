@@ -204,3 +204,37 @@ def test_memory_table_checks_malloc_before_its_first_run():
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("memory_table: error: --malloc=jemalloc is not one of auto, system, tcmalloc"), last
     assert "single ..." not in done.stderr   # no run was started
+
+
+def test_op_groups_drop_repeat_numbers_but_keep_the_ops_own():
+    from tf_multigpu.profiling.xspace import _op_group
+    assert _op_group("tf.StatefulPartitionedCall/gradient_tape/alexnet_1/fc6_1/MatMul/MatMul_1") == (
+        "gradient_tape/alexnet/fc6/MatMul/MatMul", "gradient_tape/alexnet/fc6/MatMul/MatMul_1")
+    assert _op_group("while/body/_1/small_convnet_1/conv2_1/Relu") == (
+        "while/body/_1/small_convnet/conv2/Relu", "while/body/_1/small_convnet/conv2/Relu")
+    assert _op_group("Cast") == ("Cast", "Cast")
+
+
+@pytest.mark.slow
+def test_memory_peak_lists_what_is_alive_at_the_allocators_peak(tmp_path):
+    """tools/memory_peak.py on a profiled run: the allocator's peak and the tensors alive at it,
+    the weight gradients among them (oneDNN on: TensorFlow's own CPU kernels record no
+    allocation events, and the tool says so)."""
+    run_dir = tmp_path / "run"
+    done = run_cli(f"--run_dir={run_dir}", "--steps=3", "--profile_steps=2,2", "--noexport",
+                   env={"TF_ENABLE_ONEDNN_OPTS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = run_module("tools.memory_peak", f"--run_dir={run_dir}", "--top=100")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert shown.stdout.startswith("## Allocator "), shown.stdout
+    rows = [line for line in shown.stdout.splitlines() if line.startswith("| `")]
+    assert any("gradient_tape" in row and "MatMul_1`" in row for row in rows), shown.stdout
+
+    from tf_multigpu.compat import xplane_pb2
+    empty = tmp_path / "empty" / "tensorboard" / "plugins" / "profile" / "1"
+    empty.mkdir(parents=True)
+    (empty / "host.xplane.pb").write_bytes(xplane_pb2().XSpace().SerializeToString())
+    refused = run_module("tools.memory_peak", f"--run_dir={tmp_path / 'empty'}")
+    assert refused.returncode == 2 and "has no allocation events" in refused.stderr.strip().splitlines()[-1]
+    missing = run_module("tools.memory_peak", f"--run_dir={tmp_path / 'none'}")
+    assert missing.returncode == 2 and "--profile_steps=A,B" in missing.stderr.strip().splitlines()[-1]
