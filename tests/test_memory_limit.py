@@ -51,7 +51,7 @@ def test_max_batch_finds_the_boundary(tmp_path):
 def test_packed_all_reduce_peaks_in_one_phase_and_largest_batch_is_the_boundary():
     """Data parallelism's one packed all-reduce waits for the whole backward and the update
     for it: the estimate's total is the persistent parts and the gradients plus the largest
-    phase, where DTensor's (and one device's) is the sum. largest_batch is the boundary of
+    phase, where a model-only mesh's (and one device's) is the sum. largest_batch is the boundary of
     that same total, whichever form it takes."""
     from tf_multigpu.models import build_model
     from tf_multigpu.parallel.memory import bytes_per_device, largest_batch
@@ -71,3 +71,32 @@ def test_packed_all_reduce_peaks_in_one_phase_and_largest_batch_is_the_boundary(
         assert bytes_per_device(plan, batch)["total"] <= limit < bytes_per_device(plan, batch + step)["total"]
     split_plan = plan_for(cost, "filter_split", {"batch": 1, "model": 2})
     assert largest_batch(split_plan, 2**20, 1) == 0   # its parameters alone are over 1 MiB
+
+
+def test_a_hybrid_counts_its_updates_after_the_backward_one_at_a_time():
+    """On a mesh with a `batch` axis, the gradients TensorFlow's own ops compute (Dense
+    kernels, every bias) are all-reduced after the backward, in place, one after another, and
+    each update waits for its own: the total is the persistent parts plus the larger of the
+    backward (with the updates of the kernels SplitConv2D sums itself) and the largest of those
+    updates, fc6's. --shard_optimizer_state's update (not traced) keeps the sum."""
+    import dataclasses
+
+    from tf_multigpu.models import build_model
+    from tf_multigpu.parallel.memory import bytes_per_device
+    from tf_multigpu.parallel.placement import BYTES_PER_VALUE
+    from tf_multigpu.planner.cost_model import analyze, plan_for
+    plan = plan_for(analyze(build_model("alexnet", (224, 224, 3), 1000)), "filter_split", {"batch": 2, "model": 2})
+    slots = {path: plan.local_slot_elems(path, shape) * BYTES_PER_VALUE
+             for layer in plan.layers for path, shape in layer.node.weights.items()}
+    conv_kernels = sum(b for p, b in slots.items() if p.startswith("alexnet/conv") and p.endswith("kernel"))
+    for momentum in (1, 0):
+        parts = bytes_per_device(plan, 64, slots_per_parameter=momentum)
+        persistent = parts["parameters"] + parts["optimizer_slots"] + parts["input"] + parts["gradients"]
+        during = 2 * conv_kernels if momentum else conv_kernels   # SGD: the scaled gradient only
+        after = (2 if momentum else 1) * slots["alexnet/fc6/kernel"]
+        assert parts["reduction_buffers"] == 0
+        assert parts["total"] == persistent + max(parts["activations"] + parts["transient"] + during, after)
+        # with momentum fc6's update sets AlexNet's total; with plain SGD the backward does
+        assert (after > parts["activations"] + parts["transient"] + during) == bool(momentum)
+    sharded = bytes_per_device(dataclasses.replace(plan, shard_slots=True), 64)
+    assert sharded["total"] == sum(v for k, v in sharded.items() if k != "total")

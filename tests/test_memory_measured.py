@@ -206,13 +206,14 @@ def test_memory_table_checks_malloc_before_its_first_run():
     assert "single ..." not in done.stderr   # no run was started
 
 
-def test_op_groups_drop_repeat_numbers_but_keep_the_ops_own():
-    from tf_multigpu.profiling.xspace import _op_group
-    assert _op_group("tf.StatefulPartitionedCall/gradient_tape/alexnet_1/fc6_1/MatMul/MatMul_1") == (
-        "gradient_tape/alexnet/fc6/MatMul/MatMul", "gradient_tape/alexnet/fc6/MatMul/MatMul_1")
-    assert _op_group("while/body/_1/small_convnet_1/conv2_1/Relu") == (
-        "while/body/_1/small_convnet/conv2/Relu", "while/body/_1/small_convnet/conv2/Relu")
-    assert _op_group("Cast") == ("Cast", "Cast")
+def test_allocations_are_listed_by_op_and_by_family_of_three_or_more():
+    from tf_multigpu.profiling.xspace import _grouped
+    mib = 2**20
+    alive = [("g/fc6/MatMul/MatMul_1", 72 * mib)] * 4 + [("g/fc6/MatMul/MatMul", mib)] + [
+        (f"conv2/activation_gradients/strided_slice_{i}", mib) for i in range(14)] + [("Cast", 2 * mib)]
+    assert _grouped(alive) == [("g/fc6/MatMul/MatMul_1", 4, 288 * mib),
+                               ("conv2/activation_gradients/strided_slice_*", 14, 14 * mib),
+                               ("Cast", 1, 2 * mib), ("g/fc6/MatMul/MatMul", 1, mib)]
 
 
 @pytest.mark.slow
@@ -236,5 +237,10 @@ def test_memory_peak_lists_what_is_alive_at_the_allocators_peak(tmp_path):
     (empty / "host.xplane.pb").write_bytes(xplane_pb2().XSpace().SerializeToString())
     refused = run_module("tools.memory_peak", f"--run_dir={tmp_path / 'empty'}")
     assert refused.returncode == 2 and "has no allocation events" in refused.stderr.strip().splitlines()[-1]
+    corrupt = tmp_path / "corrupt" / "tensorboard" / "plugins" / "profile" / "1"
+    corrupt.mkdir(parents=True)
+    (corrupt / "host.xplane.pb").write_bytes(b"\xff" * 64)
+    refused = run_module("tools.memory_peak", f"--run_dir={tmp_path / 'corrupt'}")
+    assert refused.returncode == 2 and "is not a profiler trace" in refused.stderr.strip().splitlines()[-1]
     missing = run_module("tools.memory_peak", f"--run_dir={tmp_path / 'none'}")
     assert missing.returncode == 2 and "--profile_steps=A,B" in missing.stderr.strip().splitlines()[-1]

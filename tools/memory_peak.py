@@ -6,7 +6,7 @@ Reads RUN_DIR/tensorboard's newest profiler trace (train with --profile_steps=A,
 its allocation events to the allocator's peak, and prints, per allocator, the bytes in use when
 the trace began (weights, slots and whatever else was allocated before it), the peak, the op
 whose allocation reached it, and the allocations made inside the trace that are alive at the
-peak, grouped by op (`profiling/xspace.allocations_at_peak`). TensorFlow records allocation
+peak, by op (`profiling/xspace.allocations_at_peak`). TensorFlow records allocation
 events for GPUs, and for CPUs with oneDNN's kernels (TF_ENABLE_ONEDNN_OPTS=1), not with its own.
 """
 
@@ -49,7 +49,10 @@ def main(argv):
         cli.fail(PROG, f"no profiler trace under {RunPaths(FLAGS.run_dir).tensorboard}: train the run with "
                        "--profile_steps=A,B")
     cli.start_tensorflow()   # its protobuf reads the trace
-    peaks = xspace.allocations_at_peak(trace)
+    try:
+        peaks = xspace.allocations_at_peak(trace)
+    except ValueError as e:
+        cli.fail(PROG, f"{e}: train the run again with --profile_steps=A,B")
     if not peaks:
         cli.fail(PROG, f"{trace} has no allocation events: TensorFlow records them for GPUs, and for CPUs with "
                        "oneDNN's kernels only: train again with TF_ENABLE_ONEDNN_OPTS=1")

@@ -60,17 +60,20 @@ Counted from the placement plan, per device:
                           - during the backward: activations, transient, and the updates of
                             the variables updated during it (all at once: the upper bound above);
                           - after the backward: one update, the largest of the variables whose
-                            gradient DTensor all-reduces over several devices outside a
-                            split-aware layer (a stock layer's kernel, every bias). Those
-                            all-reduces run one after another in the optimizer's variable order,
-                            the first layer's first, so after the whole backward, and each
-                            update waits for its own. The trace of a hybrid 2x2 AlexNet step
-                            (224, batch 64; BUILD_NOTES.md, "Twenty-ninth session"): fc6's
-                            gradient all-reduced after conv1's backward, then fc6 updated, then
-                            fc7; conv2's kernel, summed inside SplitConv2D, updated during it;
+                            gradient TensorFlow's own gradient ops compute over several devices
+                            on a DTensor mesh (`_updated_after_backward`: a stock layer's
+                            weights, every bias). Those are all-reduced one after another in
+                            the optimizer's variable order, the first layer's first, so after
+                            the whole backward, and each update waits for its own. The trace
+                            of a hybrid 2x2 AlexNet step (224, batch 64; BUILD_NOTES.md,
+                            "Twenty-ninth session"): fc6's gradient all-reduced after conv1's
+                            backward, then fc6 updated, then fc7; conv2's kernel, summed inside
+                            SplitConv2D, updated during the backward;
                           under MirroredStrategy's packed all-reduce, which separates the
                           backward, the all-reduce and the update in time, the largest of the
-                          three phases' own parts (`_peak`).
+                          three phases' own parts (`_peak`). So `total` is the parts' sum only
+                          where every update runs during the backward (one device, a mesh
+                          without shared gradients); `update` is always every update at once.
 Beside them, per process and in host memory, not on any device (`host_bytes`):
   input_pipeline          the decoded float32 batches tf.data keeps in flight for training
                           (data/pipeline.py's AUTOTUNE'd parallel map and prefetch): measured
@@ -236,13 +239,20 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
 
 
 def _updated_after_backward(plan: PlacementPlan, layer, path: str) -> bool:
-    """Whether variable `path`'s update runs only after the backward: its gradient is summed
-    over several devices by DTensor where the optimizer reads it (every variable of a layer
-    sharing its weights across devices, but a SplitConv2D's kernel, whose own gradient sums
-    the batch groups inside the layer; parallel/split_conv.py)."""
-    if not plan.layout or plan.gradient_group(layer) == 1:
+    """Whether variable `path`'s update runs only after the backward. On a DTensor mesh, a
+    gradient that TensorFlow's own gradient ops compute over devices sharing the variable (a
+    stock layer's weights, gathered input or not; every bias, added by a BiasAdd) is
+    all-reduced where the optimizer reads it: those all-reduces run one after another in the
+    optimizer's variable order, after the whole backward, and each update waits for its own
+    (traced on hybrid 2x2: AlexNet's Dense kernels and biases, SplitConv2D's biases). A
+    gradient a split-aware layer computes itself is summed inside the layer and counted
+    during the backward, the larger estimate: SplitConv2D's kernel (traced: updated during
+    it), window_sum's weights, LeanBatchNormalization's gamma and beta (not traced). Not with
+    --shard_optimizer_state, whose update all-gathers each new velocity (not traced)."""
+    if not plan.layout or plan.shard_slots or plan.gradient_group(layer) == 1:
         return False
-    return not (layer.impl == "SplitConv2D" and path == layer.node.weight("kernel"))
+    stock = layer.impl in ("", "Gather" + layer.node.cls.__name__) and layer.node.cls.__name__ != "BatchNormalization"
+    return stock or path.rsplit("/", 1)[-1] == "bias"
 
 
 def largest_batch(plan: PlacementPlan, limit_bytes: int, step: int, slots_per_parameter: int = 1) -> int:

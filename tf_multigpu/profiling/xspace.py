@@ -68,13 +68,16 @@ def allocations_at_peak(path: str) -> dict:
     MemoryDeallocation events (TensorFlow records them for a GPU's allocator, and for the CPU
     allocator with oneDNN on): {allocator: {"start_bytes" (in use when the trace began),
     "peak_bytes", "peak_op" (whose allocation reached it), "alive": [(op, count, bytes)]}},
-    "alive" being the allocations made inside the trace that are alive at the peak, grouped by
-    op name (with the numbers DTensor and TensorFlow append to repeated names dropped), largest
-    first. What was allocated before the trace (weights, slots) is in the peak, not in "alive".
-    The xprof memory_profile tool lists only a sample of them."""
+    "alive" being the allocations made inside the trace that are alive at the peak, by op,
+    largest first (`_grouped`). What was allocated before the trace (weights, slots) is in the
+    peak, not in "alive". The xprof memory_profile tool lists only a sample of them. Raises
+    ValueError for a file that is no trace."""
     space = xplane_pb2().XSpace()
     with open(path, "rb") as f:
-        space.ParseFromString(f.read())
+        try:
+            space.ParseFromString(f.read())
+        except Exception as e:   # protobuf's DecodeError
+            raise ValueError(f"{path} is not a profiler trace ({e})") from e
     events = []
     for plane in space.planes:
         names = {k: v.name for k, v in plane.event_metadata.items()}
@@ -88,38 +91,48 @@ def allocations_at_peak(path: str) -> dict:
                 for s in event.stats:
                     ref = stat_names.get(s.ref_value) if s.ref_value else None
                     stats[stat_names.get(s.metadata_id)] = s.str_value or ref or s.int64_value or s.uint64_value
-                events.append((line.timestamp_ns * 1000 + event.offset_ps, kind == "MemoryAllocation", stats))
-    events.sort(key=lambda e: e[0])
+                if "addr" in stats and "bytes_allocated" in stats:   # both are needed to replay it
+                    events.append((line.timestamp_ns * 1000 + event.offset_ps, kind == "MemoryAllocation", stats))
+    events.sort(key=lambda e: e[0])   # stable: events at one time keep the trace's order
     out = {}
     for allocator in sorted({str(s.get("allocator_name", "")) for _, _, s in events}):
-        alive, peak, at_peak, start = {}, -1, None, None
+        alive, start, peak, at_peak = {}, None, None, None
         for _, allocation, stats in (e for e in events if str(e[2].get("allocator_name", "")) == allocator):
-            size, in_use = int(stats.get("allocation_bytes") or 0), int(stats.get("bytes_allocated") or 0)
+            size, in_use = int(stats.get("allocation_bytes") or 0), int(stats["bytes_allocated"])
             if start is None:
                 start = in_use - size if allocation else in_use + size
+                peak, at_peak = start, ("(before the trace)", {})
             if allocation:
-                alive[stats.get("addr")] = (str(stats.get("tf_op") or "(no op)"), size)
+                alive[stats["addr"]] = (_short(str(stats.get("tf_op") or "(no op)")), size)
             else:
-                alive.pop(stats.get("addr"), None)
+                alive.pop(stats["addr"], None)
             if in_use > peak:
                 peak, at_peak = in_use, (str(stats.get("tf_op") or "(no op)"), dict(alive))
-        groups = {}
-        for op, size in at_peak[1].values():
-            key, name = _op_group(op)
-            count, total, names = groups.get(key, (0, 0, set()))
-            groups[key] = (count + 1, total + size, names | {name})
-        alive = [(next(iter(names)) if len(names) == 1 else key + "_*", count, total)
-                 for key, (count, total, names) in groups.items()]
         out[allocator] = {"start_bytes": start, "peak_bytes": peak, "peak_op": at_peak[0],
-                          "alive": sorted(alive, key=lambda r: -r[2])}
+                          "alive": _grouped(at_peak[1].values())}
     return out
 
 
-def _op_group(op: str) -> tuple[str, str]:
-    """(group, name) of an op: the op without the call prefix and without the numbers that
-    repeated names get, one group per op of the model whichever device or chunk ran it; the
-    name keeps the op's own number (MatMul_1, a kernel's gradient, is not MatMul, the input's)."""
-    scope, _, last = op.replace("tf.StatefulPartitionedCall/", "").rpartition("/")
-    scope = re.sub(r"(?<=[^/])_\d+(?=/|$)", "", scope)   # alexnet_1/conv2_1 -> alexnet/conv2
-    prefix = scope + "/" if scope else ""
-    return prefix + re.sub(r"_\d+$", "", last), prefix + last
+def _short(op: str) -> str:
+    return op.replace("tf.StatefulPartitionedCall/", "")
+
+
+def _grouped(allocations) -> list:
+    """[(op, count, bytes)] largest first: one row per op name (the devices of a mesh run one
+    op under one name), and one per family of 3 or more ops that differ only in their last
+    number (a chunk's or a tap's strided_slice_0 ... _13), named ..._*; two (MatMul, a Dense
+    layer's input gradient, and MatMul_1, its kernel's) stay apart."""
+    by_op = {}
+    for op, size in allocations:
+        count, total = by_op.get(op, (0, 0))
+        by_op[op] = (count + 1, total + size)
+    families = {}
+    for op in by_op:
+        families.setdefault(re.sub(r"_\d+$", "", op), []).append(op)
+    rows = []
+    for base, ops in families.items():
+        if len(ops) >= 3:
+            rows.append((base + "_*", sum(by_op[o][0] for o in ops), sum(by_op[o][1] for o in ops)))
+        else:
+            rows += [(o, *by_op[o]) for o in ops]
+    return sorted(rows, key=lambda r: -r[2])
