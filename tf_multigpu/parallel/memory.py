@@ -199,8 +199,8 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
     `global_batch` examples."""
     group_batch = global_batch // plan.mesh["batch"]
     params = grads = slots = 0
-    during = [0, 0]    # gradients and slots of the variables updated during the backward
-    after_update = 0   # the largest update of those updated after it
+    during_grads = during_slots = 0   # of the variables updated during the backward
+    after_update = 0                  # the largest update of those updated after it
     for layer in plan.layers:
         for path, shape in layer.node.weights.items():
             local = plan.local_elems(path, shape)
@@ -212,7 +212,7 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
                 if _updated_after_backward(plan, layer, path):   # one after another
                     after_update = max(after_update, _update_elems(plan, local, slot, slots_per_parameter))
                 else:
-                    during = [during[0] + local, during[1] + slot]
+                    during_grads, during_slots = during_grads + local, during_slots + slot
     # one process' tf.distribute data parallelism (a replicated plan) packs all gradients
     packed = not plan.layout and plan.mesh["batch"] > 1
     buffers = 2 * grads if packed else 0
@@ -233,8 +233,8 @@ def bytes_per_device(plan: PlacementPlan, global_batch: int, slots_per_parameter
            "transient": transient * BYTES_PER_VALUE,
            "update": _update_elems(plan, grads, slots, slots_per_parameter) * BYTES_PER_VALUE,
            "reduction_buffers": buffers * BYTES_PER_VALUE}
-    out["total"] = _peak(out, packed, _update_elems(plan, *during, slots_per_parameter) * BYTES_PER_VALUE,
-                         after_update * BYTES_PER_VALUE)
+    during = _update_elems(plan, during_grads, during_slots, slots_per_parameter)
+    out["total"] = _peak(out, packed, during * BYTES_PER_VALUE, after_update * BYTES_PER_VALUE)
     return out
 
 
@@ -277,7 +277,7 @@ def largest_batch(plan: PlacementPlan, limit_bytes: int, step: int, slots_per_pa
 
 
 def _peak(parts: dict, packed: bool, update_during: int, update_after: int) -> int:
-    """The persistent parts and the gradients plus the larger of what the backward holds
+    """The persistent parts (gradients included) plus the larger of what the backward holds
     (activations, its transient, the updates that run during it: `update_during` bytes) and
     the largest update that waits for it (`update_after`). Where every gradient goes through
     one packed all-reduce, that all-reduce needs the whole backward done, and the update needs
