@@ -30,13 +30,21 @@ def _is_communication(name: str) -> bool:
     return op_type.startswith("Collective") or "nccl" in name.lower()
 
 
-def step_times(path: str) -> list[dict]:
-    """[{step, step_ms, communication_ms, compute_ms, collective_events}] per traced step."""
+def _load(path: str):
+    """The trace's XSpace; ValueError for a file that is no trace."""
     space = xplane_pb2().XSpace()
     with open(path, "rb") as f:
-        space.ParseFromString(f.read())
+        try:
+            space.ParseFromString(f.read())
+        except Exception as e:   # protobuf's DecodeError
+            raise ValueError(f"{path} is not a profiler trace ({e})") from e
+    return space
+
+
+def step_times(path: str) -> list[dict]:
+    """[{step, step_ms, communication_ms, compute_ms, collective_events}] per traced step."""
     steps, comms = {}, []
-    for plane in space.planes:
+    for plane in _load(path).planes:
         stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
         for line in plane.lines:
             base = line.timestamp_ns * 1000
@@ -72,14 +80,8 @@ def allocations_at_peak(path: str) -> dict:
     largest first (`_grouped`). What was allocated before the trace (weights, slots) is in the
     peak, not in "alive". The xprof memory_profile tool lists only a sample of them. Raises
     ValueError for a file that is no trace."""
-    space = xplane_pb2().XSpace()
-    with open(path, "rb") as f:
-        try:
-            space.ParseFromString(f.read())
-        except Exception as e:   # protobuf's DecodeError
-            raise ValueError(f"{path} is not a profiler trace ({e})") from e
-    events = []
-    for plane in space.planes:
+    by_allocator = {}
+    for plane in _load(path).planes:
         names = {k: v.name for k, v in plane.event_metadata.items()}
         stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
         for line in plane.lines:
@@ -92,12 +94,13 @@ def allocations_at_peak(path: str) -> dict:
                     ref = stat_names.get(s.ref_value) if s.ref_value else None
                     stats[stat_names.get(s.metadata_id)] = s.str_value or ref or s.int64_value or s.uint64_value
                 if "addr" in stats and "bytes_allocated" in stats:   # both are needed to replay it
-                    events.append((line.timestamp_ns * 1000 + event.offset_ps, kind == "MemoryAllocation", stats))
-    events.sort(key=lambda e: e[0])   # stable: events at one time keep the trace's order
+                    by_allocator.setdefault(str(stats.get("allocator_name", "")), []).append(
+                        (line.timestamp_ns * 1000 + event.offset_ps, kind == "MemoryAllocation", stats))
     out = {}
-    for allocator in sorted({str(s.get("allocator_name", "")) for _, _, s in events}):
+    for allocator, events in sorted(by_allocator.items()):
+        events.sort(key=lambda e: e[0])   # stable: events at one time keep the trace's order
         alive, start, peak, at_peak = {}, None, None, None
-        for _, allocation, stats in (e for e in events if str(e[2].get("allocator_name", "")) == allocator):
+        for _, allocation, stats in events:
             size, in_use = int(stats.get("allocation_bytes") or 0), int(stats["bytes_allocated"])
             if start is None:
                 start = in_use - size if allocation else in_use + size
