@@ -1,10 +1,12 @@
 """Model registry: shapes and pinned parameter counts, user factories, clear errors."""
 
+import keras
+import numpy as np
 import pytest
 
 from tf_multigpu.config.config import MODELS
 from tf_multigpu.errors import UsageError
-from tf_multigpu.models import REGISTRY, build_model
+from tf_multigpu.models import REGISTRY, build_model, logits_out
 
 
 def test_alexnet_matches_the_paper():
@@ -47,3 +49,40 @@ def test_bad_model_names(name, needle):
 def test_the_config_knows_the_registrys_names():
     """The config refuses an unknown --model before TensorFlow starts, from its own list."""
     assert sorted(MODELS) == sorted(REGISTRY)
+
+
+def _functional(*head):
+    inputs = keras.Input((4, 4, 2))
+    x = keras.layers.Flatten()(inputs)
+    for layer in head:
+        x = layer(x)
+    return keras.Model(inputs, x)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _functional(keras.layers.Dense(5, activation="softmax", name="predictions")),
+    lambda: _functional(keras.layers.Dense(5), keras.layers.Activation("softmax")),
+    lambda: _functional(keras.layers.Dense(5), keras.layers.Softmax()),
+    lambda: keras.Sequential([keras.Input((4, 4, 2)), keras.layers.Flatten(), keras.layers.Dense(5),
+                              keras.layers.Softmax()]),
+], ids=["dense_softmax", "activation_softmax", "softmax_layer", "sequential_softmax_layer"])
+def test_a_final_softmax_is_removed_with_a_warning(make, caplog):
+    """Whatever form the last softmax takes, the model then gives the logits whose softmax it
+    gave before (training/step.py's loss takes logits)."""
+    model = make()
+    images = np.random.RandomState(0).rand(3, 4, 4, 2).astype("float32")
+    probabilities = np.asarray(model(images))
+    with caplog.at_level("WARNING"):
+        logits = np.asarray(logits_out(model, f"softmax_head_{id(model)}")(images))
+    assert np.allclose(np.exp(logits) / np.exp(logits).sum(-1, keepdims=True), probabilities, atol=1e-6)
+    assert not np.allclose(logits.sum(-1), 1.0, atol=1e-3)
+    assert "applies softmax" in caplog.text and "classifier_activation=None" in caplog.text
+
+
+def test_a_model_with_logits_out_is_left_as_it_is():
+    """A softmax inside the model, or a last layer with another activation, is not touched."""
+    inner = keras.layers.Dense(6, activation="softmax")
+    last = keras.layers.Dense(5, activation="relu")
+    model = _functional(inner, last)
+    assert logits_out(model) is model
+    assert inner.activation is keras.activations.softmax and last.activation is keras.activations.relu

@@ -289,3 +289,14 @@ def grouped_convnet(input_shape, num_classes, **_):
     x = L.Conv2D(32, 3, strides=2, groups=8, name="grouped_strided")(x)
     x = L.GlobalAveragePooling2D(name="pool")(x)
     return keras.Model(inp, L.Dense(num_classes, name="predictions")(x), name="grouped_convnet")
+
+
+def softmax_head_convnet(input_shape, num_classes, **_):
+    """Probabilities out, as keras.applications' default head (classifier_activation="softmax"):
+    trained on the logits before the softmax (tf_multigpu.models.logits_out)."""
+    L = keras.layers
+    return keras.Sequential([keras.Input(input_shape), L.Conv2D(16, 3, padding="same", activation="relu", name="conv1"),
+                             L.Conv2D(16, 3, padding="same", activation="relu", name="conv2"),
+                             L.GlobalAveragePooling2D(),
+                             L.Dense(num_classes, activation="softmax", name="predictions")],
+                            name="softmax_head_convnet")

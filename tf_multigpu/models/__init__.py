@@ -2,11 +2,19 @@
 
 A factory takes (input_shape, num_classes, **kwargs) and returns a keras.Model producing
 logits. `--model=package.module:function` brings a user's own factory.
+
+A model whose last layer applies softmax (keras.applications' default head) is trained on the
+logits before it: the softmax is removed, with a warning. Keras' loss finds those logits itself
+behind a Softmax op, but not behind mixed precision's float32 cast of the output (every
+strategy), nor in float64 under DTensor: there it took the probabilities for logits, and the
+update was 1e-3 of the right one (BUILD_NOTES.md, "Thirtieth session"). The export's
+`probabilities` apply the softmax again.
 """
 
 import importlib
 
 import keras
+from absl import logging
 
 from tf_multigpu.errors import UsageError
 from tf_multigpu.models.alexnet import alexnet
@@ -55,6 +63,38 @@ def build_model(name: str, input_shape, num_classes, **kwargs):
     out = tuple(model.output_shape)
     if out[-1] != num_classes:
         raise UsageError(f"--model={name} outputs shape {out}, not (batch, {num_classes}) logits")
+    return logits_out(model, name)
+
+
+_SOFTMAX_NAMES = ("softmax", "softmax_v2")   # keras.activations.softmax, tf.nn.softmax
+_warned: set[str] = set()
+
+
+def logits_out(model, name: str = ""):
+    """`model` with its final softmax removed (see the module's docstring), or as it is.
+
+    A softmax as the output layer's activation (Dense, Conv, Activation) becomes linear in
+    place; a final `keras.layers.Softmax` is dropped (Sequential) or cut off (functional). Only
+    the layer that makes a functional or Sequential model's output is looked at."""
+    outputs = getattr(model, "outputs", None) or []
+    history = getattr(outputs[0], "_keras_history", None) if len(outputs) == 1 else None
+    layer = history.operation if history is not None else None
+    if layer is None:
+        return model
+    if getattr(getattr(layer, "activation", None), "__name__", None) in _SOFTMAX_NAMES:
+        layer.activation = keras.activations.linear
+    elif isinstance(layer, keras.layers.Softmax):
+        if isinstance(model, keras.Sequential):
+            model.pop()
+        else:
+            model = keras.Model(model.input, layer.input, name=model.name)
+    else:
+        return model
+    if name not in _warned:
+        _warned.add(name)
+        logging.warning("--model=%s: its last layer %r applies softmax; training uses the logits before it, so it "
+                        "is removed (build the model with logits out, e.g. classifier_activation=None, to silence "
+                        "this)", name, layer.name)
     return model
 
 
@@ -63,4 +103,4 @@ def attr_name(name: str) -> str:
     return name.partition(":")[2]
 
 
-__all__ = ["REGISTRY", "get_factory", "build_model"]
+__all__ = ["REGISTRY", "get_factory", "build_model", "logits_out"]
