@@ -194,6 +194,22 @@ def test_metadata_describes_the_export(runs):
                                                                           "shape": [None, 8, 8, 1]}
 
 
+def test_a_subclassed_model_is_exported_without_its_keras_file(tmp_path, caplog):
+    """Keras cannot serialise a subclassed model without get_config(): the SavedModel is still
+    written and serves, the Keras file is left out (not half-written), and the metadata and a
+    warning say so."""
+    source = load_source("digits")
+    model = build_model("tests.user_models:subclassed_net", source.image_shape, source.num_classes)
+    with caplog.at_level("WARNING"):
+        export_dir = export_saved_model(model, source, str(tmp_path / "export"), {})
+    assert "model.keras not written: Keras cannot serialise subclassed_net" in caplog.text
+    assert not os.path.exists(os.path.join(export_dir, KERAS_FILE))
+    assert json.load(open(os.path.join(export_dir, METADATA_FILE)))["keras_file"] is None
+    images, _ = _test_images(source)
+    served = tf.saved_model.load(export_dir).signatures["serving_default"](images=tf.constant(images[:4]))
+    np.testing.assert_allclose(served["probabilities"].numpy().sum(-1), 1.0, atol=1e-5)
+
+
 def test_saved_model_cli_lists_the_serving_signatures(runs):
     done = subprocess.run([SAVED_MODEL_CLI, "show", "--dir", runs["data"]["export"], "--all"],
                           capture_output=True, text=True, timeout=120)

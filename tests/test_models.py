@@ -3,10 +3,11 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tf_multigpu.config.config import MODELS
 from tf_multigpu.errors import UsageError
-from tf_multigpu.models import REGISTRY, build_model, logits_out
+from tf_multigpu.models import REGISTRY, build_model, strip_final_softmax
 
 
 def test_alexnet_matches_the_paper():
@@ -51,38 +52,97 @@ def test_the_config_knows_the_registrys_names():
     assert sorted(MODELS) == sorted(REGISTRY)
 
 
-def _functional(*head):
-    inputs = keras.Input((4, 4, 2))
+def _functional(*head, inputs=None):
+    inputs = inputs or keras.Input((4, 4, 2))
     x = keras.layers.Flatten()(inputs)
     for layer in head:
         x = layer(x)
     return keras.Model(inputs, x)
 
 
+def _shared_softmax():
+    """One Softmax layer called twice: the model's output is its second call."""
+    inputs, softmax = keras.Input((4, 4, 2)), keras.layers.Softmax()
+    x = softmax(keras.layers.Dense(6)(keras.layers.Flatten()(inputs)))
+    return keras.Model(inputs, softmax(keras.layers.Dense(5)(x)))
+
+
+def _ops_softmax():
+    inputs = keras.Input((4, 4, 2))
+    return keras.Model(inputs, keras.ops.softmax(keras.layers.Dense(5)(keras.layers.Flatten()(inputs))))
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """strip_final_softmax warns once per model name and process: each test starts afresh."""
+    import tf_multigpu.models
+    monkeypatch.setattr(tf_multigpu.models, "_warned", set())
+
+
 @pytest.mark.parametrize("make", [
     lambda: _functional(keras.layers.Dense(5, activation="softmax", name="predictions")),
+    lambda: _functional(keras.layers.Dense(5, activation=tf.nn.softmax)),
     lambda: _functional(keras.layers.Dense(5), keras.layers.Activation("softmax")),
     lambda: _functional(keras.layers.Dense(5), keras.layers.Softmax()),
+    _shared_softmax,
+    _ops_softmax,
     lambda: keras.Sequential([keras.Input((4, 4, 2)), keras.layers.Flatten(), keras.layers.Dense(5),
                               keras.layers.Softmax()]),
-], ids=["dense_softmax", "activation_softmax", "softmax_layer", "sequential_softmax_layer"])
-def test_a_final_softmax_is_removed_with_a_warning(make, caplog):
+    lambda: keras.Sequential([keras.Input((4, 4, 2)), _functional(keras.layers.Dense(5, activation="softmax"))]),
+    lambda: keras.applications.MobileNetV3Small(weights=None, input_shape=(32, 32, 3), classes=5,
+                                                include_preprocessing=False),
+], ids=["dense", "dense_tf_nn_softmax", "activation", "softmax_layer", "shared_softmax_layer", "ops_softmax",
+        "sequential_softmax_layer", "nested_model", "mobilenet_v3_small"])
+def test_a_final_softmax_is_removed_with_a_warning(make, fresh_warnings, caplog):
     """Whatever form the last softmax takes, the model then gives the logits whose softmax it
     gave before (training/step.py's loss takes logits)."""
     model = make()
-    images = np.random.RandomState(0).rand(3, 4, 4, 2).astype("float32")
+    shape = (3, *model.input_shape[1:])
+    images = np.random.RandomState(0).rand(*shape).astype("float32")
     probabilities = np.asarray(model(images))
     with caplog.at_level("WARNING"):
-        logits = np.asarray(logits_out(model, f"softmax_head_{id(model)}")(images))
+        logits = np.asarray(strip_final_softmax(model, "softmax_head")(images))
     assert np.allclose(np.exp(logits) / np.exp(logits).sum(-1, keepdims=True), probabilities, atol=1e-6)
     assert not np.allclose(logits.sum(-1), 1.0, atol=1e-3)
-    assert "applies softmax" in caplog.text and "classifier_activation=None" in caplog.text
+    assert "applies softmax; training uses the logits before it" in caplog.text
+    assert "classifier_activation=None" in caplog.text
 
 
-def test_a_model_with_logits_out_is_left_as_it_is():
+class _SelfGated(keras.layers.Layer):
+    """A custom layer whose softmax activation is not the last thing it does."""
+
+    def __init__(self):
+        super().__init__()
+        self.activation = keras.activations.softmax
+
+    def call(self, x):
+        return x * self.activation(x)
+
+
+def test_a_softmax_that_cannot_be_removed_is_kept_with_a_warning(fresh_warnings, caplog):
+    model = _functional(keras.layers.Dense(5), _SelfGated())
+    with caplog.at_level("WARNING"):
+        assert strip_final_softmax(model, "gated") is model
+    assert model.layers[-1].activation is keras.activations.softmax
+    assert "cannot be removed there: training takes its probabilities for logits" in caplog.text
+
+
+def test_a_model_with_logits_out_is_left_as_it_is(fresh_warnings, caplog):
     """A softmax inside the model, or a last layer with another activation, is not touched."""
     inner = keras.layers.Dense(6, activation="softmax")
     last = keras.layers.Dense(5, activation="relu")
     model = _functional(inner, last)
-    assert logits_out(model) is model
+    with caplog.at_level("WARNING"):
+        assert strip_final_softmax(model) is model
     assert inner.activation is keras.activations.softmax and last.activation is keras.activations.relu
+    assert "softmax" not in caplog.text
+
+
+def test_a_subclassed_model_is_built_and_checked(devices):
+    """A subclassed model has no graph: build_model builds it and reads its output shape from
+    a symbolic call; model parallelism, which places a graph's layers, refuses it in one line."""
+    from tf_multigpu.parallel.placement import make_plan
+    model = build_model("tests.user_models:subclassed_net", (8, 8, 1), 10)
+    assert model.built and model.count_params() == 64 * 32 + 32 + 32 * 10 + 10
+    with pytest.raises(UsageError, match="subclassed_net is a subclassed keras.Model: .* use --strategy=data"):
+        make_plan(model, "filter_split", [], {"batch": 1, "model": 2})

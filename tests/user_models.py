@@ -293,10 +293,26 @@ def grouped_convnet(input_shape, num_classes, **_):
 
 def softmax_head_convnet(input_shape, num_classes, **_):
     """Probabilities out, as keras.applications' default head (classifier_activation="softmax"):
-    trained on the logits before the softmax (tf_multigpu.models.logits_out)."""
+    trained on the logits before the softmax (tf_multigpu.models.strip_final_softmax)."""
     L = keras.layers
     return keras.Sequential([keras.Input(input_shape), L.Conv2D(16, 3, padding="same", activation="relu", name="conv1"),
                              L.Conv2D(16, 3, padding="same", activation="relu", name="conv2"),
                              L.GlobalAveragePooling2D(),
                              L.Dense(num_classes, activation="softmax", name="predictions")],
                             name="softmax_head_convnet")
+
+
+class _Subclassed(keras.Model):
+    """A subclassed model without get_config(): its call is Python, not a graph of layers."""
+
+    def __init__(self, num_classes):
+        super().__init__(name="subclassed_net")
+        self.flatten, self.hidden = keras.layers.Flatten(), keras.layers.Dense(32, activation="relu")
+        self.logits = keras.layers.Dense(num_classes)
+
+    def call(self, x, training=False):
+        return self.logits(self.hidden(self.flatten(x)))
+
+
+def subclassed_net(input_shape, num_classes, **_):
+    return _Subclassed(num_classes)

@@ -10,8 +10,10 @@ single-device model, loads the trained values into it, and passes it here. Two s
 Both return `probabilities` and `class_ids`; the preprocessing is inside the graph, so a
 client needs nothing of ours. Next to the SavedModel's own files go `assets.extra/
 metadata.json` (what was exported, from where, how good it is) and `assets.extra/model.keras`
-(the same plain model as a Keras file: logits out, no preprocessing). `assets.extra` is TF
-Serving's place for extra files; the SavedModel loader ignores it.
+(the same plain model as a Keras file: logits out, no preprocessing; not written, with a
+warning and `"keras_file": null` in the metadata, for a subclassed model without
+`get_config`, which Keras cannot serialise). `assets.extra` is TF Serving's place for extra
+files; the SavedModel loader ignores it.
 
 Everything is written to a staging directory beside the target, which replaces the old
 export only once complete: a failed export never destroys or alters the previous one.
@@ -26,6 +28,7 @@ import shutil
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tf_multigpu.config.config import check_export_dir
 from tf_multigpu.data.source import ImageSource
@@ -55,9 +58,10 @@ def export_saved_model(model: keras.Model, source: ImageSource, export_dir: str,
         shutil.rmtree(staging, ignore_errors=True)
         archive.write_out(staging, verbose=False)
         os.makedirs(os.path.join(staging, "assets.extra"), exist_ok=True)
-        model.save(os.path.join(staging, KERAS_FILE))
+        keras_file = _save_keras_file(model, staging)
         with open(os.path.join(staging, METADATA_FILE), "w") as f:
-            json.dump(_full_metadata(metadata, source, checkpoint), f, indent=2, sort_keys=True, default=str)
+            json.dump(_full_metadata(metadata, source, checkpoint, keras_file), f, indent=2, sort_keys=True,
+                      default=str)
         _replace_dir(staging, export_dir)
     except (OSError, tf.errors.OpError) as e:   # write_out reports through tf.io.gfile: OpError
         shutil.rmtree(staging, ignore_errors=True)
@@ -86,7 +90,22 @@ def _serving_archive(model: keras.Model, source: ImageSource) -> keras.export.Ex
     return archive
 
 
-def _full_metadata(metadata: dict, source: ImageSource, checkpoint: str | None) -> dict:
+def _save_keras_file(model: keras.Model, staging: str) -> str | None:
+    """Writes the model as a Keras file into the staging export; its path there, or None
+    where Keras cannot serialise the model (the SavedModel beside it is complete)."""
+    path = os.path.join(staging, KERAS_FILE)
+    try:
+        model.save(path)
+    except NotImplementedError:   # Keras: "...must override `get_config()` in order to be serializable"
+        if os.path.exists(path):   # the zip Keras had begun
+            os.remove(path)
+        logging.warning("%s not written: Keras cannot serialise %s (a subclassed model needs get_config()); the "
+                        "SavedModel is complete", KERAS_FILE, model.name)
+        return None
+    return KERAS_FILE
+
+
+def _full_metadata(metadata: dict, source: ImageSource, checkpoint: str | None, keras_file: str | None) -> dict:
     """The caller's metadata, completed with what describes the export itself."""
     from tf_multigpu import __version__
 
@@ -108,7 +127,7 @@ def _full_metadata(metadata: dict, source: ImageSource, checkpoint: str | None) 
             FLOAT_SIGNATURE: {"inputs": {INPUT_NAME: {"dtype": "float32", "shape": shape}},
                               "outputs": outputs},
         },
-        "keras_file": KERAS_FILE,
+        "keras_file": keras_file,
         "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"tf_multigpu": __version__, "tensorflow": tf.__version__, "keras": keras.__version__},
     }

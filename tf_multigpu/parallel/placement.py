@@ -246,6 +246,10 @@ def model_graph(model: keras.Model) -> tuple:
     nodes, alias = [], {}
 
     def walk(m, outer_inputs):
+        if not hasattr(m, "inputs"):   # a subclassed model: its call is Python, not a graph of layers
+            raise UsageError(f"{m.name} is a subclassed keras.Model: model and hybrid parallelism place the "
+                             "layers of a functional or Sequential model's graph; build it with the functional "
+                             "API, or use --strategy=data")
         for k, tensor in enumerate(m.inputs):
             name = producer_name(tensor)
             if outer_inputs is None:
