@@ -100,9 +100,16 @@ def test_a_softmax_head_trains_on_its_logits_in_mixed_precision(digits_batch, de
     """A model with probabilities out (keras.applications' default head) is trained on the
     logits before its softmax. Under mixed precision the loss reads the float32 cast of the
     output, behind which Keras' loss no longer finds the logits: it took the probabilities for
-    logits, and the bfloat16 update was 1e-3 of the float32 one (0.999 apart by this measure)."""
+    logits, and the bfloat16 update shrank: its norm was 0.08 of the float32 one (now 1.007
+    with oneDNN's kernels, 0.999 with Eigen's). The norms are compared, not max_update_difference:
+    with Eigen's bfloat16 kernels this small model's conv2 bias is 0.32 from float32's (0.04
+    with oneDNN), over the tolerance above, for a right step."""
+    import numpy as np
     source, images, labels = digits_batch
     model = "tests.user_models:softmax_head_convnet"
     before, fp32 = one_step("single", devices, source, images, labels, model=model)
     _, bf16 = one_step("single", devices, source, images, labels, model=model, dtype="bfloat16")
-    assert max_update_difference(before, bf16, fp32) < TOLERANCE["bfloat16"]
+
+    def size(after):   # the whole update's Euclidean norm
+        return np.sqrt(sum(float(np.sum((a - w) ** 2)) for a, w in zip(after, before)))
+    assert 0.8 < size(bf16) / size(fp32) < 1.25, size(bf16) / size(fp32)
