@@ -138,6 +138,15 @@ def test_a_model_with_logits_out_is_left_as_it_is(fresh_warnings, caplog):
     assert "softmax" not in caplog.text
 
 
+def test_a_sequential_model_without_an_input_is_built():
+    """Keras: "Sequential model 'no_input' has no defined output shape yet" (an AttributeError
+    from build_model before): one image through it builds it, for every strategy."""
+    from tf_multigpu.parallel.placement import make_plan
+    model = build_model("tests.user_models:sequential_without_input", (8, 8, 1), 10)
+    assert model.built and model.count_params() == 64 * 10 + 10
+    assert make_plan(model, "filter_split", [], {"batch": 1, "model": 2}).layers
+
+
 def test_a_subclassed_model_is_built_and_checked():
     """A subclassed model has no graph: build_model builds it by passing one image through it,
     which gives its output shape; model parallelism, which places a graph's layers, refuses it

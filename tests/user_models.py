@@ -316,3 +316,8 @@ class _Subclassed(keras.Model):
 
 def subclassed_net(input_shape, num_classes, **_):
     return _Subclassed(num_classes)
+
+
+def sequential_without_input(input_shape, num_classes, **_):
+    """A Sequential with no keras.Input: it has no output shape until it is called."""
+    return keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(num_classes)], name="no_input")

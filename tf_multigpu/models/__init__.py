@@ -3,7 +3,8 @@
 A factory takes (input_shape, num_classes, **kwargs) and returns a keras.Model producing
 logits. `--model=package.module:function` brings a user's own factory: a functional or
 Sequential model for every strategy; a subclassed one (no graph of layers to place) for single
-and data parallelism, built here by one image through it.
+and data parallelism. One without an output shape yet (subclassed, or a Sequential without a
+keras.Input) is built here by one image through it.
 
 A model whose last layer applies softmax (keras.applications' default head) is trained on the
 logits before it: the softmax is removed, with a warning. Keras' loss finds those logits itself
@@ -65,7 +66,8 @@ def build_model(name: str, input_shape, num_classes, **kwargs):
                              "of (input_shape, num_classes) that returns a Keras model")
     try:
         out = tuple(model.output_shape)
-    except AttributeError:   # a subclassed model has no graph: one image through it builds it
+    except AttributeError:   # a subclassed model, or a Sequential without an Input, before its first call:
+        # one image through it builds it
         out = (None, *model(keras.ops.zeros((1, *input_shape))).shape[1:])
     if out[-1] != num_classes:
         raise UsageError(f"--model={name} outputs shape {out}, not (batch, {num_classes}) logits")
