@@ -78,7 +78,8 @@ def test_a_hybrid_counts_its_updates_after_the_backward_one_at_a_time():
     kernels, every bias) are all-reduced after the backward, in place, one after another, and
     each update waits for its own: the total is the persistent parts plus the larger of the
     backward (with the updates of the kernels SplitConv2D sums itself) and the largest of those
-    updates, fc6's. --shard_optimizer_state's update (not traced) keeps the sum."""
+    updates, fc6's. --shard_optimizer_state keeps the sum (its Dense updates wait too, but its
+    peak is the backward's: memory.py's `_updated_after_backward`)."""
     import dataclasses
 
     from tf_multigpu.models import build_model
