@@ -6,6 +6,7 @@ resume, sharding and each bad-data case in-process, in well under a second each.
 """
 
 import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -133,6 +134,8 @@ def _bad(root, *parts, content=b"\xff\xd8\xff\xe0 this is no JPEG"):
 
 @pytest.mark.parametrize("layout, needle", [
     ("missing", "no such directory"),
+    ("file", "data is a file, not a folder: give a folder holding one subfolder of images per class"),
+    ("val_without_train", "has val/ but no train/: move the training class folders into"),
     ("empty", "is empty: give one subfolder of images per class"),
     ("loose", "holds images but no class folders"),
     ("one_class", "has only one class (cat): a classifier needs at least two"),
@@ -144,6 +147,11 @@ def test_bad_folders_are_one_line_errors(tmp_path, layout, needle):
     root = tmp_path / "data"
     if layout == "empty":
         root.mkdir()
+    elif layout == "file":                  # e.g. an archive not yet unpacked
+        root.write_bytes(b"PK\x03\x04 a zip")
+    elif layout == "val_without_train":     # was trained as a third class, "val"
+        for name in ("cat", "dog", "val/cat", "val/dog"):
+            write_images(root / name, 5)
     elif layout == "loose":
         write_images(root, 2)
     elif layout == "one_class":
@@ -178,6 +186,106 @@ def test_corrupt_and_truncated_images_are_named_or_skipped(small_folder):
     assert source.skipped == (png,) and source.num_train + source.num_test == 29
 
 
+def _jpeg(size=(48, 64), seed=0, quality=95):
+    import io
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)).save(
+        out, "jpeg", quality=quality)
+    return out.getvalue()
+
+
+def test_jpeg_with_data_after_its_end_is_read_and_a_truncated_one_still_caught(tmp_path):
+    root = tmp_path / "phone"
+    for name in ("a", "b"):
+        write_images(root / name, 5, ext="jpg")
+    # A Motion Photo: the video appended after the image's end marker, no FF byte near the end
+    appendix = b"\x00\x00\x00\x18ftypmp42" + np.random.default_rng(1).integers(0, 255, 300_000, np.uint8).tobytes()
+    motion = root / "a" / "motion.jpg"
+    motion.write_bytes(_jpeg() + appendix)
+    source = load_source(f"folder:{root}", image_size=8, test_fraction=0.5)
+    assert source.num_train + source.num_test == 11 and source.skipped == ()
+    assert source.decode(tf.constant(str(motion))).shape == (8, 8, 3)
+    # Truncated, it is refused even though an EXIF thumbnail (a whole JPEG in APP1) has an end marker
+    photo = _jpeg(seed=2)
+    thumbnail = _jpeg(size=(8, 8), seed=3, quality=50)
+    app1 = b"Exif\x00\x00" + thumbnail
+    with_thumbnail = photo[:2] + b"\xff\xe1" + (len(app1) + 2).to_bytes(2, "big") + app1 + photo[2:]
+    assert tf.io.decode_jpeg(with_thumbnail).shape == (48, 64, 3)      # intact, it is a valid JPEG
+    motion.write_bytes(with_thumbnail[:-len(photo) // 3])
+    with pytest.raises(UsageError, match=f"{motion} is not a readable image .JPEG data ends early"):
+        load_source(f"folder:{root}", image_size=8, test_fraction=0.5)
+
+
+def test_symlink_loop_is_walked_once_and_a_linked_class_folder_still_read(tmp_path):
+    root = tmp_path / "linked"
+    for name in ("a", "b"):
+        write_images(root / name, 3, seed=ord(name))
+    write_images(tmp_path / "elsewhere" / "c", 3)
+    os.symlink(tmp_path / "elsewhere" / "c", root / "c")    # a class folder stored elsewhere: read
+    os.symlink("..", root / "a" / "up")                      # a loop: root/a/up/a/up/...
+    os.symlink(os.path.join("..", "b"), root / "a" / "bee")  # another class's folder: read as b only
+    source = load_source(f"folder:{root}", image_size=8, test_fraction=1 / 3)
+    listed = [(p.numpy().decode(), int(y)) for p, y in source.train_records().concatenate(source.test_records())]
+    assert sorted(listed) == [(str(root / name / f"{i:03d}.png"), label)
+                              for label, name in enumerate("abc") for i in range(3)]
+
+
+def test_hidden_files_like_macos_resource_forks_are_ignored(small_folder):
+    # AppleDouble: what macOS writes beside each file on a foreign disk; not an image
+    _bad(small_folder, "cat", "._000.png", content=b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X")
+    _bad(small_folder, "dog", ".hidden.jpg")
+    _bad(small_folder, ".DS_Store", content=b"\x00\x00\x00\x01Bud1")
+    source = load_source(f"folder:{small_folder}", image_size=8)
+    assert source.num_train + source.num_test == 30 and source.skipped == ()
+
+
+def _damage(path, content):
+    """`content` written over the middle of the file at `path`: its first and last bytes intact."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 3)
+        f.write(content)
+
+
+@pytest.mark.parametrize("augment", ["none", "paper"])   # the batch-at-a-time and per-element paths
+def test_image_damaged_in_its_middle_is_dropped_with_skip_bad_images(tmp_path, augment):
+    root = tmp_path / "mid"
+    for name in ("a", "b"):
+        write_images(root / "train" / name, 6, size=(48, 48), seed=ord(name))
+        write_images(root / "val" / name, 2, size=(48, 48), ext="jpg", seed=ord(name) + 1)
+
+    def load(skip):
+        return load_source(f"folder:{root}", image_size=8, augment=augment, skip_bad_images=skip)
+
+    def train(source, start_step=0, steps=6):
+        return _batches(train_dataset(source, seed=1, global_batch=4, batch_size=4, start_step=start_step), steps)
+
+    def test(source, shard=(0, 1)):
+        return [(x.numpy(), y.numpy(), w.numpy())
+                for x, y, w in pipeline.test_dataset(source, global_batch=4, batch_size=4 // shard[1], shard=shard)]
+
+    # Without bad images, --skip_bad_images changes no batch, from the start or resumed
+    good, skipping = load(False), load(True)
+    for (xa, ya), (xb, yb) in zip(train(good) + train(good, 2, 2), train(skipping) + train(skipping, 2, 2)):
+        np.testing.assert_array_equal(ya, yb)
+        np.testing.assert_array_equal(xa, xb)
+    for a, b in zip(test(good), test(skipping)):
+        for u, v in zip(a, b):
+            np.testing.assert_array_equal(u, v)
+
+    _damage(root / "train" / "a" / "002.png", b"\x00" * 500)
+    _damage(root / "val" / "b" / "001.jpg", b"\xff" * 200)
+    assert load(True).skipped == ()          # the ends are intact: the up-front check passes them
+    with pytest.raises(tf.errors.InvalidArgumentError, match="DecodeImage"):
+        train(load(False))                   # without the flag the run stops (the loop says so in one line)
+    skipping = load(True)
+    batches = train(skipping, steps=9)       # 3 epochs of 11 good images
+    assert len(batches) == 9 and all(x.shape == (4, 8, 8, 3) for x, _ in batches)
+    (x, y, w), = test(skipping)              # the bad one's row is a blank at the end, weight 0
+    assert w.tolist() == [1, 1, 1, 0] and y[:3].tolist() == [0, 0, 1] and (x[3] == -1).all()
+    halves = [test(skipping, shard=(i, 2)) for i in (0, 1)]   # each worker its whole share
+    assert [len(h) for h in halves] == [1, 1] and sum(h[0][2].sum() for h in halves) == 3
+
+
 def test_folder_only_flags_are_refused_elsewhere(small_folder):
     with pytest.raises(UsageError, match="apply to --dataset=folder:PATH, not digits"):
         load_source("digits", skip_bad_images=True)
@@ -207,6 +315,21 @@ def test_corrupt_jpeg_stops_the_cli_naming_it_and_skip_trains_and_counts_it(smal
     summary = json.load(open(tmp_path / "skip" / "summary.json"))
     assert summary["skipped_images"] == 1 and summary["step"] == 2
 
+
+
+def test_an_image_damaged_in_its_middle_stops_the_cli_in_one_line(small_folder, tmp_path):
+    """Past the up-front check, tf.data's decode error was a 40-line graph error, exit 1."""
+    bad = sorted(glob.glob(os.path.join(small_folder, "*", "*.png")))[0]
+    _damage(bad, b"\x00" * 50)   # inside the 12x16 image's pixel data, its ends intact
+    done = run_cli(f"--run_dir={tmp_path / 'stop'}", f"--dataset=folder:{small_folder}", "--image_size=8",
+                   "--batch_size=8", "--steps=20", "--cpu_devices=2", "--noexport")
+    assert done.returncode == USAGE_ERROR, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("tf-multigpu-train: error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert errors[0] == (f"tf-multigpu-train: error: an image of --dataset=folder:{small_folder} cannot be decoded "
+                         "(Invalid PNG data, size " + errors[0].split("size ")[1].split(")")[0] + "): it is damaged "
+                         "inside, past the first and last bytes checked before training; pass --skip_bad_images to "
+                         "train without such images")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, flags", [

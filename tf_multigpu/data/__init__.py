@@ -45,6 +45,9 @@ def check_dataset_flags(name: str, image_size: int = 0, augment: str = "auto", t
         raise UsageError(f"--augment=paper applies to photos (--dataset=folder:PATH or tfds:NAME), not {name}")
     if name == "digits" and image_size:
         raise UsageError("--image_size does not apply to --dataset=digits (8x8 images): drop it")
+    if folder and os.path.isfile(name[7:]):   # "no such directory" misled: it exists (an archive, often)
+        raise UsageError(f"--dataset={name}: {name[7:]} is a file, not a folder: give a folder holding one "
+                         "subfolder of images per class (unpack an archive first)")
     if folder and not os.path.isdir(name[7:]):
         raise UsageError(f"--dataset={name}: no such directory: give a folder holding one subfolder of images "
                          "per class")

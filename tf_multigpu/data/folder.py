@@ -5,7 +5,10 @@ The layout is the one Keras' `image_dataset_from_directory` and TFDS' `ImageFold
     PATH/train/CLASS/*.jpg   and   PATH/val/CLASS/*.jpg (or PATH/test/...)
     PATH/CLASS/*.jpg         (the test split is then held out: --test_fraction, default 0.2)
 
-JPEG, PNG, BMP and GIF (first frame) files are read, in any subfolder depth of a class.
+JPEG, PNG, BMP and GIF (first frame) files are read, in any subfolder depth of a class;
+hidden files and folders (names starting with '.') are not. Symlinks are followed, each real
+folder once. `val/` or `test/` beside class folders but without `train/` is refused: it would
+otherwise be read as one more class.
 Files are listed once, sorted, labelled by the index of their class in the sorted class
 names; a held-out test split is stratified and seeded with a fixed seed (not --seed), so every
 run evaluates on the same images. Records are file paths: the pipeline shuffles, skips and
@@ -14,7 +17,9 @@ but the list of paths is held in memory and a resume or another worker skips row
 
 Unreadable images are found up front, before training, by reading each file's first and last
 bytes (see `_problem`), not by decoding: an error inside tf.data would surface at the step
-that first reads the file, possibly hours in, and without its name.
+that first reads the file, possibly hours in, and without its name. A file damaged only in
+its middle passes that check; with --skip_bad_images the pipeline drops it when its decoding
+fails (`ImageSource.skip_bad_images`, data/pipeline.py), without, the run stops there.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ DEFAULT_TEST_FRACTION = 0.2
 SPLIT_SEED = 0
 DEFAULT_SIZE = 224
 _IMAGENET_CLASS = re.compile(r"n\d{8}")   # WordNet ids, ImageNet's folder names
+_CHUNK = 1 << 20   # bytes read at a time when a JPEG's end marker is searched past its last 16
 
 
 def load_folder_source(path: str, image_size: int = 0, augment: str = "auto", test_fraction=None,
@@ -48,6 +54,10 @@ def load_folder_source(path: str, image_size: int = 0, augment: str = "auto", te
         test_dir = next((os.path.join(path, d) for d in TEST_DIRS if os.path.isdir(os.path.join(path, d))), None)
     else:
         train_dir = path
+        misplaced = next((d for d in TEST_DIRS if os.path.isdir(os.path.join(path, d))), None)
+        if misplaced:   # without train/, val/ would be read as a class and its images trained on
+            raise UsageError(f"{flag}: {path} has {misplaced}/ but no train/: move the training class folders "
+                             f"into {os.path.join(path, 'train')}, beside {misplaced}/ (the test split, not a class)")
     if test_dir and test_fraction is not None:
         raise UsageError(f"--test_fraction applies when {flag} has no val/ or test/ folder, but it has "
                          f"{test_dir}: drop --test_fraction")
@@ -95,6 +105,7 @@ def load_folder_source(path: str, image_size: int = 0, augment: str = "auto", te
         train_records=records(files, labels),
         test_records=records(test_files, test_labels),
         skipped=tuple(sorted(f for f, _ in bad)),
+        skip_bad_images=skip_bad_images,
     )
     return augments.with_augment(source, read_image, augment, image_size or DEFAULT_SIZE)
 
@@ -125,13 +136,23 @@ def _subdirs(folder):
 
 
 def _list(root, class_names, flag, every_class=True):
-    """Every image file under root/CLASS (recursively), sorted, with its class index."""
+    """Every image file under root/CLASS (recursively), sorted, with its class index.
+
+    Hidden files are left out like hidden folders: macOS' `._photo.jpg` (AppleDouble resource
+    forks, not images) would otherwise stop the run as unreadable."""
+    top = os.path.realpath(root)
+    # Symlinks are followed (a class folder may link to images stored elsewhere), but no real
+    # folder is entered twice, nor root or a folder above it: a link back up the tree
+    # (PATH/a/up -> ..) was walked ~40 levels deep and listed the other classes' images as a's.
+    seen = {os.path.realpath(os.path.join(root, name)) for name in class_names}
     files, labels, empty = [], [], []
     for label, name in enumerate(class_names):
         found = []
         for folder, subdirs, names in os.walk(os.path.join(root, name), followlinks=True):
-            subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
-            found += [os.path.join(folder, f) for f in names if f.lower().endswith(EXTENSIONS)]
+            subdirs[:] = [d for d in sorted(subdirs)
+                          if not d.startswith(".") and _first_visit(os.path.join(folder, d), top, seen)]
+            found += [os.path.join(folder, f) for f in names
+                      if not f.startswith(".") and f.lower().endswith(EXTENSIONS)]
         if not found and every_class and os.path.isdir(os.path.join(root, name)):
             empty.append(name)
         found.sort()
@@ -141,6 +162,15 @@ def _list(root, class_names, flag, every_class=True):
         raise UsageError(f"{flag}: class folder(s) {', '.join(empty[:5])} in {root} hold no images "
                          f"({'/'.join(EXTENSIONS)}): add images or remove the folder(s)")
     return files, labels
+
+
+def _first_visit(folder, top, seen) -> bool:
+    """Whether `folder`'s real path is new: not in `seen`, not `top` nor above it (then it is added)."""
+    real = os.path.realpath(folder)
+    if real in seen or os.path.commonpath([real, top]) == real:
+        return False
+    seen.add(real)
+    return True
 
 
 def _without(files, labels, skipped):
@@ -175,12 +205,14 @@ def _unreadable(files):
 def _problem(path) -> str | None:
     """Why the file at `path` cannot be an intact image, or None if it looks like one.
 
-    Reads the first and last 16 bytes only: the format's signature at the start, and for JPEG,
+    Reads the first and last 16 bytes: the format's signature at the start, and for JPEG,
     PNG and GIF their end marker (a truncated download, the usual corruption, loses it). That
     costs 30-80 us a file here, 11-22x less than decoding it (BUILD_NOTES, "Image folders"):
-    about 2 minutes for ImageNet's 1.28M files against ~40 minutes. A file whose ends are
+    about 2 minutes for ImageNet's 1.28M files against ~40 minutes. Only a JPEG whose last 16
+    bytes lack its end marker is read further (`_jpeg_has_end`). A file whose ends are
     intact but whose middle is damaged may still fail at the step that decodes it, with
-    TensorFlow's error (which does not name the file): rare, and the cost of not decoding twice.
+    TensorFlow's error (which does not name the file), or be dropped there with
+    --skip_bad_images: rare, and the cost of not decoding twice.
     """
     try:
         with open(path, "rb") as f:
@@ -192,8 +224,11 @@ def _problem(path) -> str | None:
     if not head:
         return "empty file"
     if head.startswith(b"\xff\xd8\xff"):
-        # JPEG: the EOI marker ends the data; some writers pad after it, so look near the end.
-        return None if b"\xff\xd9" in tail else "JPEG data ends early (no end-of-image marker): truncated?"
+        # JPEG: the EOI marker ends the data; some writers pad after it, so look near the end,
+        # and failing that (data appended after the image), after the header.
+        if b"\xff\xd9" in tail or _jpeg_has_end(path):
+            return None
+        return "JPEG data ends early (no end-of-image marker): truncated?"
     if head.startswith(b"\x89PNG\r\n\x1a\n"):
         return None if b"IEND" in tail else "PNG data ends early (no IEND chunk): truncated?"
     if head.startswith((b"GIF87a", b"GIF89a")):
@@ -202,3 +237,41 @@ def _problem(path) -> str | None:
         size = int.from_bytes(head[2:6], "little")
         return None if size <= os.path.getsize(path) else "BMP data ends early: truncated?"
     return "not JPEG, PNG, BMP or GIF data"
+
+
+def _jpeg_has_end(path) -> bool:
+    """Whether the JPEG at `path` has an end-of-image marker (FF D9) after its first scan starts.
+
+    For JPEGs that do not end with one: Motion Photos append a video after the image, some
+    cameras a trailer of their own (megabytes, that tf.io.decode_image ignores). A bounded tail
+    window would miss the marker before a long appendix, and a search from the start would find
+    the end of an EXIF thumbnail (a whole JPEG inside the APP1 segment) in a truncated photo.
+    So the header's segments are skipped by their lengths up to the start of scan (SOS); past
+    it, the compressed data stuffs every FF byte (FF 00) and only restart markers (FF D0-D7)
+    occur, so the first FF D9 is the image's end, and a truncated file has none. The file is
+    read up to that marker, not past it: the appended data is not read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(2)                                      # past SOI (FF D8)
+            while True:
+                marker = f.read(2)
+                while marker[1:] == b"\xff":               # fill bytes before a marker
+                    marker = marker[1:] + f.read(1)
+                if len(marker) < 2 or marker[0] != 0xFF or marker[1] == 0xD9:
+                    return False                           # cut short, or no image data
+                if marker[1] == 0x01 or 0xD0 <= marker[1] <= 0xD7:
+                    continue                               # markers without a length
+                length = int.from_bytes(f.read(2), "big")
+                if length < 2:                             # cut short, or not a segment
+                    return False
+                f.seek(length - 2, os.SEEK_CUR)
+                if marker[1] == 0xDA:                      # SOS: the compressed data starts
+                    break
+            last = b""
+            while chunk := f.read(_CHUNK):
+                if b"\xff\xd9" in last + chunk[:1] or b"\xff\xd9" in chunk:
+                    return True
+                last = chunk[-1:]
+            return False
+    except OSError:
+        return False

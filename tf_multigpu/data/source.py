@@ -42,6 +42,10 @@ class ImageSource:
     # identity); ignored if the source augments (`train_decode`). None: decoded per element.
     batch_decode: Callable | None = None
     skipped: tuple = ()           # files left out as unreadable (--skip_bad_images)
+    # --skip_bad_images (a folder): the pipelines drop a record whose decoding fails (tf.data's
+    # ignore_errors) instead of stopping the run. The folder's up-front check reads the ends of
+    # a file (data/folder.py `_problem`), so an image damaged in its middle gets through it.
+    skip_bad_images: bool = False
     input_threads: int = 0        # tf.data threads for this source's pipelines (0: one per core)
 
     def decode_train(self, record, key: tf.Tensor) -> tf.Tensor:
