@@ -318,4 +318,15 @@ def test_only_an_export_or_an_empty_directory_is_replaced(runs, tmp_path):
     with pytest.raises(UsageError, match="is a file"):
         export_saved_model(model, source, str(tmp_path / "notes.txt"), {})
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    # An earlier export that a user added files to is not replaced either: it would delete them.
+    export = tmp_path / "export"
+    export_saved_model(model, source, str(export), {})
+    export_saved_model(model, source, str(export), {})   # an export over an export: what it writes is its own
+    for added in ("README.txt", os.path.join("assets.extra", "labels.txt")):
+        (export / added).write_text("mine")
+        with pytest.raises(UsageError, match=r"is an earlier export holding files it did not write \("
+                                             + added.replace(".", r"\.") + r"\).*move them out"):
+            export_saved_model(model, source, str(export), {})
+        assert (export / added).read_text() == "mine"
+        os.remove(export / added)
 

@@ -32,6 +32,10 @@ LR_SCHEDULES = ("constant", "step", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
 AUGMENTS = ("auto", "none", "paper")   # data/augment.py
 SAVED_MODEL_FILE = "saved_model.pb"   # what marks a directory as an export (check_export_dir)
+# What an export writes (a SavedModel, and export/saved_model.py's extras): anything else in an
+# earlier export is a user's, which check_export_dir will not let the replacement delete.
+EXPORT_ENTRIES = (SAVED_MODEL_FILE, "fingerprint.pb", "variables", "assets", "assets.extra")
+EXPORT_EXTRAS = ("metadata.json", "model.keras")
 MODELS = ("alexnet", "small_convnet")   # models.REGISTRY's names (models/ imports Keras; a test pins both)
 
 BATCHNORMS = ("sync", "per_replica")
@@ -292,10 +296,22 @@ def check_export_dir(export_dir: str) -> None:
     if not os.path.isdir(ancestor):
         raise UsageError(f"cannot write the export to {export_dir}: {ancestor} is a file, not a directory; "
                          "choose another --export_dir")
-    if os.path.isdir(export_dir) and os.listdir(export_dir) and not os.path.exists(
-            os.path.join(export_dir, SAVED_MODEL_FILE)):
+    if not os.path.isdir(export_dir) or not os.listdir(export_dir):
+        return
+    if not os.path.exists(os.path.join(export_dir, SAVED_MODEL_FILE)):
         raise UsageError(f"--export_dir={export_dir} holds files that are not a SavedModel: "
                          "give a new directory or an earlier export (it is replaced as a whole)")
+    # An earlier export, but with a user's files added (notes, a README): replacing it would
+    # delete them, so only the entries an export writes are allowed.
+    foreign = sorted(set(os.listdir(export_dir)) - set(EXPORT_ENTRIES))
+    extra = os.path.join(export_dir, "assets.extra")
+    if os.path.isdir(extra):
+        foreign += sorted(os.path.join("assets.extra", f) for f in set(os.listdir(extra)) - set(EXPORT_EXTRAS))
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise UsageError(f"--export_dir={export_dir} is an earlier export holding files it did not write "
+                         f"({', '.join(foreign[:3])}{more}), which replacing it would delete: move them out, "
+                         "or give a new directory")
 
 
 def check_previous_run(cfg: Config) -> RunPaths:
@@ -310,6 +326,8 @@ def check_previous_run(cfg: Config) -> RunPaths:
         except (OSError, ValueError, TypeError) as e:
             raise UsageError(f"{paths.config} is unreadable ({e}): use a new --run_dir") from None
         check_resumable(previous, cfg)
+    if cfg.export:   # before training, not after it: the export is the run's last write
+        check_export_dir(paths.export)
     return paths
 
 
