@@ -4,8 +4,10 @@ the default command trains on digits to >= 97% and exports a servable model."""
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -181,3 +183,29 @@ def test_what_the_flags_decide_is_refused_before_tensorflow_starts(tmp_path, fla
                                                     f"--run_dir={tmp_path / 'X'}", *flags)
     assert (status, imported) == (USAGE_ERROR, False), line
     assert line.startswith("tf-multigpu-train: error: ") and message in line, line
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_after_a_checkpoint_with_one_line_and_status_130(tmp_path):
+    """Ctrl-C (SIGINT) had given a KeyboardInterrupt traceback and lost every step since the
+    last periodic checkpoint; now it stops like a preemption, at a step with a checkpoint."""
+    run_dir = str(tmp_path / "run")
+    argv = [sys.executable, "-m", "tf_multigpu.train", f"--run_dir={run_dir}", "--steps=100000",
+            "--checkpoint_every=100000", "--log_every=5", "--eval_every=100000", "--noexport", "--cpu_devices=2"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:   # the banner: training has started
+            if "parallelism on" in line:
+                break
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("tf-multigpu-train: error:")]
+    assert len(errors) == 1 and "stopped by SIGINT after step " in errors[0], err[-2000:]
+    step = int(errors[0].split("after step ")[1].split(",")[0])
+    assert step >= 5 and os.path.exists(os.path.join(run_dir, "checkpoints", f"ckpt-{step}.index"))
+

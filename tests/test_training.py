@@ -71,14 +71,128 @@ def test_checkpoint_from_data_parallel_resumes_on_one_device(cfg, tmp_path, devi
             np.testing.assert_allclose(single[name], whole[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_corrupt_checkpoint_is_refused_and_kept(cfg, devices):
+def test_corrupt_checkpoint_is_refused_and_kept(cfg, devices, capsys):
+    train(cfg, devices[:2])   # ckpt-4, ckpt-8
+    data_file = glob.glob(os.path.join(cfg.run_dir, "checkpoints", "ckpt-8.data-*"))[0]
+    with open(data_file, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(UsageError, match=r"ckpt-8 cannot be restored .*: move its files \(ckpt-8\.\*\) out of "
+                                         r".* to resume from ckpt-4, the one before"):
+        train(dataclasses.replace(cfg, steps=12), devices[:2])
+    assert os.path.getsize(data_file) == 100   # left for the user to inspect, not deleted
+    # Its files moved out, as the message says: the run resumes from the one before.
+    moved = os.path.join(os.path.dirname(cfg.run_dir), "moved")
+    os.makedirs(moved)
+    for f in glob.glob(os.path.join(cfg.run_dir, "checkpoints", "ckpt-8.*")):
+        shutil.move(f, moved)
+    capsys.readouterr()
+    train(dataclasses.replace(cfg, steps=12), devices[:2])
+    assert "steps 4..12" in capsys.readouterr().out
+
+
+def test_the_only_checkpoint_corrupt_is_refused_naming_a_new_run_dir(cfg, devices):
     train(dataclasses.replace(cfg, steps=4), devices[:2])
     data_file = glob.glob(os.path.join(cfg.run_dir, "checkpoints", "ckpt-4.data-*"))[0]
     with open(data_file, "r+b") as f:
         f.truncate(100)
-    with pytest.raises(UsageError, match="cannot be restored .*move it away"):
+    with pytest.raises(UsageError, match="ckpt-4 cannot be restored .*: it is the run's only checkpoint: use a new"):
         train(cfg, devices[:2])
-    assert os.path.getsize(data_file) == 100   # left for the user to inspect, not deleted
+
+
+def _ckpt_files(run_dir):
+    files = glob.glob(os.path.join(run_dir, "checkpoints", "ckpt-*"))
+    return {os.path.basename(f): open(f, "rb").read() for f in files}
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbled", "names_a_moved_checkpoint"])
+def test_a_damaged_checkpoint_state_resumes_from_the_newest_checkpoint_on_disk(cfg, devices, capsys, caplog, damage):
+    """The state file (checkpoints/checkpoint) lost, garbled, or naming a checkpoint moved away:
+    the run went on from the checkpoint on disk, not from step 0 over the old checkpoints."""
+    train(cfg, devices[:2])   # ckpt-4, ckpt-8
+    state = os.path.join(cfg.run_dir, "checkpoints", "checkpoint")
+    if damage == "missing":
+        os.remove(state)
+    elif damage == "garbled":
+        open(state, "w").write("garbage !!! {{\n")
+    else:
+        for f in glob.glob(os.path.join(cfg.run_dir, "checkpoints", "ckpt-8.*")):
+            os.remove(f)
+    kept = _ckpt_files(cfg.run_dir)
+    capsys.readouterr()
+    train(dataclasses.replace(cfg, steps=12), devices[:2])
+    resumed_at = 4 if damage == "names_a_moved_checkpoint" else 8
+    assert f"steps {resumed_at}..12" in capsys.readouterr().out
+    assert "resuming from ckpt-" in caplog.text
+    after = _ckpt_files(cfg.run_dir)
+    assert all(after.get(name) == data for name, data in kept.items() if name.startswith("ckpt-4."))
+
+
+def test_a_state_naming_checkpoints_that_are_all_gone_is_refused(cfg, devices):
+    train(dataclasses.replace(cfg, steps=4), devices[:2])
+    for f in glob.glob(os.path.join(cfg.run_dir, "checkpoints", "ckpt-*")):
+        os.remove(f)
+    with pytest.raises(UsageError, match="names ckpt-4, but no checkpoint's files are in .*: put them back"):
+        train(cfg, devices[:2])
+
+
+def test_fewer_steps_than_the_checkpoint_has_done_are_refused_before_any_write(cfg, devices):
+    train(cfg, devices[:2])
+    written = {name: open(os.path.join(cfg.run_dir, name)).read() for name in ("config.json", "summary.json")}
+    with pytest.raises(UsageError, match="is at step 8, past the end of --steps=4: pass --steps=8 or more"):
+        train(dataclasses.replace(cfg, steps=4), devices[:2])
+    assert written == {name: open(os.path.join(cfg.run_dir, name)).read() for name in written}
+
+
+def test_a_schedule_whose_span_changes_on_resume_is_warned_of(cfg, devices, caplog):
+    train(dataclasses.replace(cfg, steps=4), devices[:2])
+    train(cfg, devices[:2])   # cosine, the default: steps 1-4 decayed towards 0 at step 4
+    assert "the cosine learning-rate schedule now spans 8 steps instead of 4" in caplog.text
+    caplog.clear()
+    constant = dataclasses.replace(cfg, run_dir=cfg.run_dir + "_constant", lr_schedule="constant")
+    train(dataclasses.replace(constant, steps=4), devices[:2])
+    train(constant, devices[:2])
+    assert "schedule now spans" not in caplog.text
+
+
+def test_a_run_directory_in_use_is_refused(cfg, devices):
+    from tf_multigpu.training.run_dir import writing_alone
+    with writing_alone(cfg.run_dir):
+        with pytest.raises(UsageError, match=f"is being trained by another process \\(pid {os.getpid()}\\)"):
+            train(cfg, devices[:2])
+        assert not os.path.exists(os.path.join(cfg.run_dir, "config.json"))
+    train(dataclasses.replace(cfg, steps=0), devices[:2])   # free again
+    assert not os.path.exists(os.path.join(cfg.run_dir, ".training.lock"))
+
+
+def test_an_export_directory_holding_other_files_is_refused_before_training(cfg, devices):
+    os.makedirs(os.path.join(cfg.run_dir, "export"))
+    open(os.path.join(cfg.run_dir, "export", "notes.txt"), "w").write("mine")
+    with pytest.raises(UsageError, match="holds files that are not a SavedModel"):
+        train(cfg, devices[:2])
+    assert not os.path.exists(os.path.join(cfg.run_dir, "checkpoints"))
+
+
+def test_a_run_directory_that_cannot_be_written_is_one_line(cfg, devices, monkeypatch):
+    from tf_multigpu.training.workers import WorkerRole
+
+    def read_only(*_):
+        raise OSError(30, "Read-only file system", cfg.run_dir + "/config.json")
+    monkeypatch.setattr(WorkerRole, "write_config", read_only)
+    with pytest.raises(UsageError, match=r"cannot write to --run_dir=.*Read-only file system.*: choose a writable"):
+        train(cfg, devices[:2])
+
+
+def test_a_checkpoint_that_cannot_be_saved_is_one_line_and_leaves_no_partial_one(cfg, devices, monkeypatch):
+    """A full disk fails TensorFlow's SaveV2 with ResourceExhaustedError, which had been
+    reported as out of device memory."""
+    def full_disk(manager, checkpoint_number):
+        os.makedirs(os.path.join(manager.directory, f"ckpt-{checkpoint_number}_temp"))
+        raise tf.errors.ResourceExhaustedError(None, None, "ckpt-4_temp/part-00000-of-00001.data.tempstate; "
+                                                           "No space left on device")
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", full_disk)
+    with pytest.raises(UsageError, match="cannot save checkpoint 4 in .* \\(.*No space left on device\\): free space"):
+        train(cfg, devices[:2])
+    assert not glob.glob(os.path.join(cfg.run_dir, "checkpoints", "ckpt-4_temp*"))
 
 
 def test_steps_zero_exports_the_initial_model(cfg, devices):
@@ -213,3 +327,20 @@ def test_only_the_train_step_has_while_loops(devices):
 
     assert len(loops(make_train_step(run.model, run.optimizer, 8), images, labels)) >= 6   # fwd and bwd
     assert loops(make_eval_step(run.model), images, labels, tf.ones_like(labels)) == []
+
+
+@pytest.mark.parametrize("message, reason", [
+    ("Graph execution error:\n\nDetected at node decode_image/DecodeImage defined at (most recent call last):\n"
+     "<stack traces unavailable>\nInvalid PNG data, size 686\n\t [[{{node decode_image/DecodeImage}}]]",
+     "Invalid PNG data, size 686"),
+    ("Graph execution error:\n\n2 root error(s) found.\n  (0) INVALID_ARGUMENT:  Invalid PNG data, size 686\n"
+     "\t [[{{node decode_image/DecodeImage}}]]", "Invalid PNG data, size 686"),
+    ("{{function_node __wrapped__RestoreV2_dtypes_21_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
+     "Checksum does not match: stored 1 vs. calculated on the restored bytes 2 [Op:RestoreV2]",
+     "Checksum does not match: stored 1 vs. calculated on the restored bytes 2 [Op:RestoreV2]"),
+    ("", "IndexError"),
+])
+def test_an_errors_reason_is_its_first_line_that_says_something(message, reason):
+    from tf_multigpu.training.run_dir import error_reason
+    assert error_reason(IndexError(message) if not message else RuntimeError(message)) == reason
+

@@ -6,7 +6,7 @@ or data set costs a fraction of a second, not TensorFlow's start-up), start Tens
 (`cli.start_tensorflow`), configure the devices or start the multi-worker runtime (before
 TensorFlow initialises), resolve --strategy=auto with the planner, and call the training loop
 (which checks the plan against the devices: config/plan_checks.py). Bad input prints one line
-and exits 2; a SIGTERM stops after a checkpoint with status 143; a lost worker is one line and
+and exits 2; a SIGTERM or Ctrl-C stops after a checkpoint with status 143 or 130; a lost worker is one line and
 status 1.
 """
 
@@ -44,7 +44,7 @@ def main(argv):
             enable_graph_dumps()
         from tf_multigpu.parallel import configure_devices  # imports TensorFlow
         from tf_multigpu.training.loop import train
-        from tf_multigpu.training.preemption import PREEMPTED_EXIT_CODE, Preempted
+        from tf_multigpu.training.preemption import Preempted
         if cluster:
             runtime = clusters.start_runtime(cluster, cfg.strategy, cfg.cpu_devices, cfg.num_devices, cfg.peer_timeout)
             devices = runtime.local_devices
@@ -62,7 +62,7 @@ def main(argv):
     except UsageError as e:
         _fail(str(e))
     except Preempted as e:
-        _fail(str(e), PREEMPTED_EXIT_CODE)
+        _fail(str(e), e.exit_code)
     except Exception as e:  # noqa: BLE001  a peer lost mid-collective: one line, not a trace
         import tensorflow as tf
         if not (cluster and isinstance(e, tf.errors.OpError)):
@@ -86,15 +86,27 @@ def _resolve_auto(cfg, devices):
 
 
 def _train_or_report_oom(train, cfg, devices, runtime, **kwargs):
-    """train(), with the runtime's out-of-memory error turned into DoesNotFit (one line)."""
+    """train(), with the runtime's out-of-memory error turned into DoesNotFit (one line), and
+    the errors of a full disk and of an image damaged past the checks the folder source makes
+    up front (data/folder.py) turned into UsageError (one line)."""
     import tensorflow as tf
+
+    from tf_multigpu.training.run_dir import error_reason
     try:
         return train(cfg, devices, runtime, **kwargs)
     except tf.errors.ResourceExhaustedError as e:
-        first_line = str(e).strip().splitlines()[0][:200]
+        if any(sign in str(e) for sign in ("No space left", "tempstate", "SaveV2")):   # the disk, not the device
+            raise UsageError(f"no space left writing to --run_dir={cfg.run_dir} ({error_reason(e)}): free space, "
+                             "then run the same command again to resume") from None
         raise DoesNotFit(f"out of device memory with --strategy={cfg.strategy} --batch_size={cfg.batch_size} "
-                         f"({first_line}): use a smaller --batch_size or split the model "
+                         f"({error_reason(e, 200)}): use a smaller --batch_size or split the model "
                          "(--strategy=model or hybrid)") from None
+    except tf.errors.InvalidArgumentError as e:
+        if "DecodeImage" not in str(e) and "decode_image" not in str(e):
+            raise
+        raise UsageError(f"an image of --dataset={cfg.dataset} cannot be decoded ({error_reason(e)}): it is "
+                         "damaged inside, past the first and last bytes checked before training; pass "
+                         "--skip_bad_images to train without such images") from None
 
 
 def _fail(message: str, status: int = cli.USAGE_ERROR):

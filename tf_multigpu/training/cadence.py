@@ -12,6 +12,7 @@ preemption vote.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 import time
 
@@ -20,9 +21,11 @@ import tensorflow as tf
 from absl import logging
 
 from tf_multigpu.data.throughput import InputCheck
+from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.base import host_scalars
 from tf_multigpu.profiling.step_profiler import StepProfiler
 from tf_multigpu.training.preemption import Preempted
+from tf_multigpu.training.run_dir import error_reason
 
 
 @dataclasses.dataclass
@@ -174,7 +177,15 @@ class SaveCheckpoint(Action):
 
     def save(self, step: int) -> None:
         if self.run.manager and self.saved_at != step:
-            self.run.manager.save(checkpoint_number=step)
+            try:
+                self.run.manager.save(checkpoint_number=step)
+            except (OSError, tf.errors.OpError) as e:   # a full disk is ResourceExhaustedError: not device memory
+                # The half-written checkpoint is TensorFlow's staging directory; the earlier ones are whole.
+                for temp in tf.io.gfile.glob(f"{self.run.manager.directory}/ckpt-{step}_temp*"):
+                    shutil.rmtree(temp, ignore_errors=True)
+                raise UsageError(f"cannot save checkpoint {step} in {self.run.manager.directory} "
+                                 f"({error_reason(e)}): free space or make it writable, then run the same "
+                                 "command again to resume from the last checkpoint") from None
             self.saved_at = step
 
 
@@ -207,7 +218,8 @@ class PreemptionVote(Action):
         if self.stop.agreed(self.run.par) and window.end < self.run.total_steps:
             self.checkpoint.save(window.end)
             self.run.role.close()
-            raise Preempted(window.end, f"{self.run.paths.checkpoints}/ckpt-{window.end}")   # the chief's
+            raise Preempted(window.end, f"{self.run.paths.checkpoints}/ckpt-{window.end}",   # the chief's
+                            self.stop.signum)
 
 
 class Throughput:

@@ -10,11 +10,14 @@ single-device, data parallel, and model and hybrid parallel training.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
+import tensorflow as tf
 from absl import logging
 
 from tf_multigpu.config import Config
+from tf_multigpu.errors import UsageError
 from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model
 from tf_multigpu.parallel.memory import host_bytes
@@ -31,8 +34,9 @@ from tf_multigpu.training.cadence import (
     run_windows,
     write_scalars,
 )
-from tf_multigpu.training.preemption import StopOnSigterm
+from tf_multigpu.training.preemption import StopOnSignal
 from tf_multigpu.training.run import Run, build_run
+from tf_multigpu.training.run_dir import error_reason, writing_alone
 
 
 def train(cfg: Config, devices: list[str], runtime=None, *, source=None, prediction=None) -> dict:
@@ -47,33 +51,54 @@ def train(cfg: Config, devices: list[str], runtime=None, *, source=None, predict
         raise ValueError("train() writes a run directory: give the Config a run_dir (build_run builds without one)")
     started = time.perf_counter()
     run = build_run(cfg, devices, runtime, source=source)
-    writer = start_writing(run)
-    results, profiler = Results(step=run.start_step), make_profiler(run)
-    checkpoint = SaveCheckpoint(run, every=cfg.checkpoint_every)
-    with StopOnSigterm.install() as stop:
-        run_windows(run, profiler, [
-            ReportProfile(profiler, writer, results),
-            RecordTraining(run, writer, results),
-            Evaluate(run, writer, results, every=cfg.eval_every or run.steps_per_epoch),
-            # The vote before the periodic checkpoint: a SIGTERM that arrives while a window's
-            # checkpoint is written stops the workers after the next window, not this one.
-            PreemptionVote(run, stop, checkpoint),
-            checkpoint,
-            ShowProgress(run, results),
-        ], results)
-    return finish_run(run, writer, results, started, prediction)
+    with start_writing(run) as writer:
+        results, profiler = Results(step=run.start_step), make_profiler(run)
+        checkpoint = SaveCheckpoint(run, every=cfg.checkpoint_every)
+        with StopOnSignal.install() as stop, _own_line(run.role.is_chief):
+            run_windows(run, profiler, [
+                ReportProfile(profiler, writer, results),
+                RecordTraining(run, writer, results),
+                Evaluate(run, writer, results, every=cfg.eval_every or run.steps_per_epoch),
+                # The vote before the periodic checkpoint: a SIGTERM that arrives while a window's
+                # checkpoint is written stops the workers after the next window, not this one.
+                PreemptionVote(run, stop, checkpoint),
+                checkpoint,
+                ShowProgress(run, results),
+            ], results)
+        return finish_run(run, writer, results, started, prediction)
 
 
+@contextlib.contextmanager
+def _own_line(shows_progress: bool):
+    """Ends the progress bar's line when the loop stops on an error, so that the error's one
+    line (stderr) is not glued to the end of the bar (stdout)."""
+    try:
+        yield
+    except BaseException:
+        if shows_progress:
+            print(flush=True)
+        raise
+
+
+@contextlib.contextmanager
 def start_writing(run: Run):
     """Everything is checked and any earlier state restored: from here on the run writes.
-    Writes config.json, prints the banner (the chief: one per run, not one per worker) and
-    returns the TensorBoard writer (a no-op one on the other workers)."""
-    run.role.write_config(run.cfg, run.paths)
-    if run.role.is_chief:
-        print(run.banner(), flush=True)
-    writer = run.role.summary_writer(run.paths)
-    write_scalars(writer, "memory_per_device", run.start_step, {f"{k}_bytes": v for k, v in run.memory.items()})
-    return writer
+    The chief takes the run directory for itself (`run_dir.writing_alone`, until the run
+    ends), writes config.json and prints the banner (one per run, not one per worker); yields
+    the TensorBoard writer (a no-op one on the other workers)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            if run.role.is_chief:
+                stack.enter_context(writing_alone(run.paths.root))
+            run.role.write_config(run.cfg, run.paths)
+        except (OSError, tf.errors.OpError) as e:   # a read-only or full file system
+            raise UsageError(f"cannot write to --run_dir={run.cfg.run_dir} ({error_reason(e)}): choose a "
+                             "writable --run_dir, or free space; nothing in it has been changed") from None
+        if run.role.is_chief:
+            print(run.banner(), flush=True)
+        writer = run.role.summary_writer(run.paths)
+        write_scalars(writer, "memory_per_device", run.start_step, {f"{k}_bytes": v for k, v in run.memory.items()})
+        yield writer
 
 
 def finish_run(run: Run, writer, results: Results, started: float, prediction=None) -> dict:

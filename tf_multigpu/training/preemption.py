@@ -1,4 +1,4 @@
-"""Stopping on SIGTERM at a step every worker agrees on, after a checkpoint.
+"""Stopping on SIGTERM (or Ctrl-C) at a step every worker agrees on, after a checkpoint.
 
 A scheduler that preempts a job (Kubernetes, Slurm, a spot VM) sends SIGTERM to some of its
 processes, at different times. Every worker must stop after the SAME step, or the
@@ -7,6 +7,10 @@ training window (the loop's sync point) all workers combine their flags with one
 all-reduce (max) on the same collective fabric as the gradients, so either all of them see a
 stop request after step N or none does. They then save checkpoint N and exit with
 PREEMPTED_EXIT_CODE; rerunning the same command resumes from step N exactly.
+
+Ctrl-C (SIGINT) is handled the same way, with exit status 130 (128 + SIGINT, what a shell
+reports for it): Python's default turned it into a KeyboardInterrupt traceback that lost
+every step since the last periodic checkpoint. A second Ctrl-C stops at once, as before.
 
 We do not use `tf.distribute.experimental.PreemptionCheckpointHandler` (BUILD_NOTES.md,
 "Several workers"): it counts its own "run calls" in a variable it adds to our checkpoint,
@@ -19,54 +23,65 @@ MultiWorkerMirroredStrategy, DTensor meshes and one process.
 from __future__ import annotations
 
 import signal
+import sys
 
 PREEMPTED_EXIT_CODE = 143   # 128 + SIGTERM: what a terminated process reports; schedulers restart it
+EXIT_CODES = {signal.SIGTERM: PREEMPTED_EXIT_CODE, signal.SIGINT: 130}
+SIGNALS = tuple(EXIT_CODES)
 
 
 class Preempted(Exception):
-    """Training stopped on SIGTERM after saving a checkpoint every worker agreed on."""
+    """Training stopped on SIGTERM or SIGINT after saving a checkpoint every worker agreed on;
+    `exit_code` is the status the process reports for that signal."""
 
-    def __init__(self, step: int, checkpoint: str):
-        super().__init__(f"stopped by SIGTERM after step {step}, saved {checkpoint}: "
+    def __init__(self, step: int, checkpoint: str, signum: int = signal.SIGTERM):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}, saved {checkpoint}: "
                          "run the same command again to resume")
-        self.step, self.checkpoint = step, checkpoint
+        self.step, self.checkpoint, self.exit_code = step, checkpoint, EXIT_CODES[signum]
 
 
-class StopOnSigterm:
-    """While installed, a first SIGTERM raises a flag instead of killing the process; a
-    second one kills it as usual (a worker stuck outside the loop can still be stopped).
+class StopOnSignal:
+    """While installed, a first SIGTERM or SIGINT raises a flag instead of killing the process;
+    a second one does what it did before (a worker stuck outside the loop can still be
+    stopped, and a second Ctrl-C interrupts at once).
 
-    `with StopOnSigterm.install() as stop:` uninstalls it on the way out, errors included."""
+    `with StopOnSignal.install() as stop:` uninstalls it on the way out, errors included."""
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.signum = signal.SIGTERM   # the first signal received
+        self._previous = {}
 
     @classmethod
-    def install(cls) -> StopOnSigterm:
+    def install(cls) -> StopOnSignal:
         stop = cls()
-        try:
-            stop._previous = signal.signal(signal.SIGTERM, stop._handle)
-        except ValueError:   # not the main thread (e.g. a notebook's worker thread): keep the default
-            pass
+        for signum in SIGNALS:
+            try:
+                stop._previous[signum] = signal.signal(signum, stop._handle)
+            except ValueError:   # not the main thread (e.g. a notebook's worker thread): keep the default
+                pass
         return stop
 
-    def __enter__(self) -> StopOnSigterm:
+    def __enter__(self) -> StopOnSignal:
         return self
 
     def __exit__(self, *exc) -> None:
         self.uninstall()
 
     def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def _handle(self, signum, frame):
         if self.requested:
             self.uninstall()
             signal.raise_signal(signum)
-        self.requested = True
+            return
+        self.requested, self.signum = True, signum
+        if signum == signal.SIGINT:   # someone at a terminal: say that it was heard
+            print(f"\n{signal.Signals(signum).name}: stopping after the current steps, with a checkpoint "
+                  "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
 
     def agreed(self, par) -> bool:
         """True on every worker if any worker has been asked to stop (a collective call:

@@ -13,12 +13,14 @@ import dataclasses
 import functools
 import gc
 import math
+import os
 from collections.abc import Callable
 
 import keras
 import tensorflow as tf
+from absl import logging
 
-from tf_multigpu.config import Config, RunPaths, check_plan, check_previous_run
+from tf_multigpu.config import Config, RunPaths, check_plan, check_previous_run, load_config
 from tf_multigpu.data import ImageSource, load_source
 from tf_multigpu.data.pipeline import steps_per_epoch, test_dataset, train_dataset
 from tf_multigpu.errors import DoesNotFit, UsageError
@@ -122,13 +124,34 @@ def build_run(cfg: Config, devices: list[str], runtime=None, *, source: ImageSou
     if cfg.profile_range and cfg.profile_range[1] > total_steps:
         raise UsageError(f"--profile_steps={cfg.profile_steps} goes past the last step ({total_steps}): "
                          f"profile steps up to {total_steps}, or train longer")
+    start_step = int(optimizer.iterations.numpy())
+    if paths and start_step:
+        check_resumed_length(cfg, paths, start_step, total_steps, per_epoch)
     memory = bytes_per_device(par.plan, cfg.batch_size, slots_per_parameter=1 if cfg.momentum else 0) \
         if par.plan else {}   # a subclassed model (data parallel) has no graph to estimate from
     check_fits(cfg, memory, par)
     return Run(cfg, source, par, model, optimizer, checkpoint, manager, paths, role,
-               start_step=int(optimizer.iterations.numpy()), total_steps=total_steps, steps_per_epoch=per_epoch,
+               start_step=start_step, total_steps=total_steps, steps_per_epoch=per_epoch,
                train_fn=par.compile(make_train_step(model, optimizer, cfg.batch_size, jit_compile=cfg.xla)),
                eval_fn=par.compile(make_eval_step(model)), memory=memory, meter=meter)
+
+
+def check_resumed_length(cfg: Config, paths: RunPaths, start_step: int, total_steps: int, per_epoch: int) -> None:
+    """Refuses a length that ends before the restored step (the run would rewrite config.json
+    and summary.json for a step its checkpoints are past); warns when a schedule that spans
+    the run changes its span on resume (the steps done followed the old one)."""
+    length = f"--steps={cfg.steps}" if cfg.steps is not None else f"--epochs={cfg.epochs} ({total_steps} steps)"
+    if start_step > total_steps:
+        raise UsageError(f"--run_dir={cfg.run_dir} is at step {start_step}, past the end of {length}: pass "
+                         f"--steps={start_step} or more to go on from it, or use a new --run_dir")
+    if cfg.lr_schedule == "constant" or not os.path.exists(paths.config):
+        return
+    previous = load_config(paths.config)
+    before = previous.steps if previous.steps is not None else math.ceil(previous.epochs * per_epoch)
+    if before != total_steps:
+        logging.warning("%s: the %s learning-rate schedule now spans %d steps instead of %d; steps 1-%d "
+                        "followed the old span, so this run differs from one trained for %d steps from the "
+                        "start", length, cfg.lr_schedule, total_steps, before, start_step, total_steps)
 
 
 def load_run_source(cfg: Config) -> ImageSource:
