@@ -24,9 +24,9 @@ from tf_multigpu.training.run import build_model_and_optimizer
 BN_MODEL = "tests.user_models:small_resnet_bn"
 
 
-def _dropout(rate=0.25, name="drop", step=0, **kwargs):
+def _dropout(rate=0.25, name="drop", step=0, position=0, **kwargs):
     layer = StatelessDropout(rate, seed=7, name=name, **kwargs)
-    layer.use_step(tf.Variable(step, dtype=tf.int64))
+    layer.use_step(tf.Variable(step, dtype=tf.int64), position)
     return layer
 
 
@@ -51,7 +51,9 @@ def test_masks_change_with_step_and_layer_and_drop_at_the_rate():
     mask = _dropout()(x, training=True).numpy() != 0
     assert abs(1 - mask.mean() - 0.25) < 0.02
     assert (mask != (_dropout(step=1)(x, training=True).numpy() != 0)).mean() > 0.2
-    assert (mask != (_dropout(name="other")(x, training=True).numpy() != 0)).mean() > 0.2
+    assert (mask != (_dropout(position=1)(x, training=True).numpy() != 0)).mean() > 0.2
+    # Not the name: Keras numbers unnamed layers per process, so a model built twice would differ.
+    np.testing.assert_array_equal(mask, _dropout(name="dropout_7")(x, training=True).numpy() != 0)
     np.testing.assert_array_equal(_dropout()(x, training=False), x)   # inference: identity
 
 
@@ -92,6 +94,19 @@ def test_spatial_dropout_drops_whole_feature_maps_as_one_device_does(digits_batc
     layer.use_step(tf.Variable(0, dtype=tf.int64))
     out = layer(tf.ones([4, 5, 5, 8]), training=True).numpy()
     assert (out == out[:, :1, :1]).all() and 0 < (out == 0).mean() < 1   # whole maps kept or dropped
+
+
+def test_an_unnamed_dropout_drops_the_same_units_in_a_model_built_again(digits_batch, devices):
+    """Keras names unnamed layers by a per-process count (dropout, dropout_1, ...): the one
+    device's model and the data-parallel one built after it differ in their dropout's name,
+    which had keyed the masks (a model 1x2 step of such a model was 0.96 apart from one
+    device's, and --strategy=auto, which builds the model once first, trained another
+    network than the same strategy named)."""
+    source, images, labels = digits_batch
+    model = "tests.user_models:unnamed_dropout_convnet"
+    before, single = one_step("single", devices, source, images, labels, model=model)
+    _, data = one_step("data", devices[:2], source, images, labels, model=model)
+    assert max_update_difference(before, data, single) <= 1e-5
 
 
 def test_layers_that_draw_their_own_noise_are_named(devices, capsys):

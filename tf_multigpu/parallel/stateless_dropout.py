@@ -5,9 +5,15 @@ are not one device's mask over the global batch, and a run's training depends on
 of devices. `StatelessDropout` (a drop-in `keras.layers.Dropout`: same config, same name, no
 weights) instead draws each element's keep/drop bit as a pure function of
 
-    (the layer's seed, the layer's name, the training step, the element's GLOBAL coordinates)
+    (the layer's seed, its position among the model's dropouts, the training step, the
+     element's GLOBAL coordinates)
 
-so the same seed trains the same network whatever the strategy. Every parallelism swaps it in
+so the same seed trains the same network whatever the strategy. The position, not the name:
+Keras numbers unnamed layers per process (dropout, dropout_1, ...), so the same model built a
+second time in one process (--strategy=auto's planner builds it first; a parity check builds
+one device's model and the split one) drew other masks under a name-keyed hash (measured: a
+model 1x2 step 0.96 apart from one device's, and `--strategy=auto` choosing single trained
+another network than `--strategy=single`). Every parallelism swaps it in
 for `keras.layers.Dropout` at build time with `stateless_dropout(layer)` (the models stay
 plain Keras), and the loop binds the step counter with `use_step(model, optimizer.iterations)`.
 
@@ -60,10 +66,11 @@ def keep_mask(shape, rate: float, key, row_offset):
 
 
 class StatelessDropout(keras.layers.Dropout):
-    """keras.layers.Dropout with masks drawn from (seed, name, step, global row, feature).
+    """keras.layers.Dropout with masks drawn from (seed, position, step, global row, feature).
 
     `seed` is required (`stateless_dropout` takes it from the layer it replaces); the step
-    counter is bound after the optimizer exists (`use_step`). Without one, training=True is
+    counter and the layer's position among the model's dropouts are bound after the optimizer
+    exists (`use_step`). Without a counter, training=True is
     refused rather than silently reusing one mask every step.
     """
 
@@ -77,22 +84,25 @@ class StatelessDropout(keras.layers.Dropout):
         self.seed = int(seed)
         self.noise_shape = None if noise_shape is None else tuple(noise_shape)
         self.supports_masking = True
+        self._position = 0   # use_step sets it
         self.built = True   # no weights: nothing to build
 
-    def use_step(self, step) -> None:
-        """Binds the training-step counter (a variable); object.__setattr__ keeps Keras from
-        tracking it as this layer's own variable (it belongs to the optimizer)."""
+    def use_step(self, step, position: int = 0) -> None:
+        """Binds the training-step counter (a variable) and the layer's position among its
+        model's dropouts (module docstring); object.__setattr__ keeps Keras from tracking the
+        counter as this layer's own variable (it belongs to the optimizer)."""
         object.__setattr__(self, "_step", step)
+        self._position = int(position)
 
     def _key(self):
         step = getattr(self, "_step", None)
         if step is None:
             raise RuntimeError(f"{self.name} (StatelessDropout) has no step counter: call "
                                "tf_multigpu.parallel.stateless_dropout.use_step(model, optimizer.iterations)")
-        name_hash = zlib.crc32(self.name.encode()) & 0xFFFFFFFF
+        position_hash = zlib.crc32(f"dropout {self._position}".encode()) & 0xFFFFFFFF
         seed = tf.constant(self.seed & 0xFFFFFFFF, _U32)
         step = tf.cast(tf.cast(tf.convert_to_tensor(step), tf.int64) & 0xFFFFFFFF, _U32)
-        return _mix(tf.bitwise.bitwise_xor(seed, _mix(tf.bitwise.bitwise_xor(tf.constant(name_hash, _U32),
+        return _mix(tf.bitwise.bitwise_xor(seed, _mix(tf.bitwise.bitwise_xor(tf.constant(position_hash, _U32),
                                                                           _mix(step)))))
 
     def call(self, inputs, training=False):
@@ -155,7 +165,9 @@ def random_layers(model) -> list:
 
 
 def use_step(model, step) -> None:
-    """Gives every StatelessDropout of `model` (nested models included) its step counter."""
-    for layer in all_layers(model):
-        if isinstance(layer, StatelessDropout):
-            layer.use_step(step)
+    """Gives every StatelessDropout of `model` (nested models included) its step counter and
+    its position among them, in the order of the model's layers (which clone_model, and so
+    every parallelism's conversion, keeps)."""
+    dropouts = [layer for layer in all_layers(model) if isinstance(layer, StatelessDropout)]
+    for position, layer in enumerate(dropouts):
+        layer.use_step(step, position)
