@@ -177,6 +177,9 @@ USER_MODELS = [
     ("tests.user_models:grouped_convnet", "hybrid", "batch:2,model:2", "filter_split"),
     # probabilities out: in float64 under DTensor the loss took them for logits (0.9998 apart)
     ("tests.user_models:softmax_head_convnet", "model", "batch:1,model:2", "filter_split"),
+    # a pooling window smaller than its stride (ResNet50V2): its gradient's unread stride
+    # phases failed DTensor's SPMD expansion (and TensorFlow then spun for minutes on the message)
+    ("tests.user_models:strided_one_pool_convnet", "model", "batch:1,model:2", "filter_split"),
 ]
 
 

@@ -321,3 +321,25 @@ def subclassed_net(input_shape, num_classes, **_):
 def sequential_without_input(input_shape, num_classes, **_):
     """A Sequential with no keras.Input: it has no output shape until it is called."""
     return keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(num_classes)], name="no_input")
+
+
+def unnamed_dropout_convnet(input_shape, num_classes, **_):
+    """A convnet whose Dropout has no name of its own: Keras numbers it per process."""
+    L = keras.layers
+    return keras.Sequential([keras.Input(input_shape), L.Conv2D(16, 3, padding="same", activation="relu", name="conv1"),
+                             L.GlobalAveragePooling2D(name="pool"), L.Dropout(0.5),
+                             L.Dense(num_classes, name="logits")])
+
+
+def strided_one_pool_convnet(input_shape, num_classes, **_):
+    """ResNet50V2's strided block: a MaxPooling2D(1, strides=2) shortcut (a window smaller than
+    its stride, whose gradient has stride phases no tap reads) added to a strided convolution."""
+    L = keras.layers
+    x = inputs = keras.Input(input_shape)
+    x = L.Conv2D(16, 3, padding="same", activation="relu", name="conv1")(x)
+    shortcut = L.MaxPooling2D(1, strides=2, name="shortcut_pool")(x)
+    x = L.Conv2D(16, 3, strides=2, padding="same", name="conv2")(x)
+    x = L.Add(name="add")([shortcut, x])
+    x = L.GlobalAveragePooling2D(name="pool")(x)
+    return keras.Model(inputs, L.Dense(num_classes, name="logits")(x))
+

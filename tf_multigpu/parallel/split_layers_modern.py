@@ -323,10 +323,13 @@ def _from_phases(phases, strides, hw, pads):
     reshape), and x's rows and columns cut out of it in one slice (zero rows added first
     where the grid ends before x does)."""
     (sh, sw), (h, w), ((pt, _), (pl, _)) = strides, hw, pads
-    # a phase no tap reads (window < stride) is 0, even where dy is inf or NaN (as the stock
-    # ops' gradients): MulNoNan, elementwise, keeps the layout a zeros_like would replicate
+    # A phase no tap reads (window < stride, e.g. ResNetV2's MaxPooling2D(1, strides=2)
+    # shortcut) is 0, even where dy is inf or NaN (as the stock ops' gradients). x > x is False
+    # everywhere, NaN included, and elementwise keeps the phase's layout, which a zeros_like
+    # would replicate. (MulNoNan by a scalar 0 gave the result the scalar's rank-0 layout under
+    # DTensor: "'tf.ExpandDims' op Rank for output 0 layout is 0 but actual rank is 5".)
     some = next(iter(phases.values()))
-    zeros = tf.math.multiply_no_nan(some, tf.constant(0, some.dtype))
+    zeros = tf.cast(some > some, some.dtype)
     grid = tf.concat([tf.expand_dims(tf.concat([tf.expand_dims(phases.get((a, b), zeros), 3) for b in range(sw)],
                                                axis=3), 2) for a in range(sh)], axis=2)
     dx = tf.reshape(grid, [-1, grid.shape[1] * sh, grid.shape[3] * sw, *grid.shape[5:]])
