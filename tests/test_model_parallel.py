@@ -225,8 +225,13 @@ def test_checkpoint_from_2x2_resumes_on_1x4_and_on_one_device(tmp_path):
         assert "steps 4..8" in done.stdout
         a, b = checkpoint_values(whole), checkpoint_values(resumed)
         weights = [k for k in a if "/kernel" in k or "_trainable" in k]
-        for key in weights:   # other meshes sum in other orders: equal to fp32 rounding, not bitwise
-            np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-6, err_msg=f"{name} {key}")
+        # Other meshes sum in other orders: equal to fp32 rounding, not bitwise. And a max-pool
+        # window whose values tie but for rounding may pick another pixel on another mesh: with
+        # seed 2, one device's own 8 steps from scratch end 2.2e-5 from the hybrid's (1.5e-8 at
+        # step 4, 4.7e-6 at step 6; 3e-8 with seeds 3 and 4). atol stays 30-180 times below
+        # what each variable moves in the four resumed steps (3.3e-3 to 1.8e-2).
+        for key in weights:
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-4, err_msg=f"{name} {key}")
 
 
 @pytest.mark.slow
