@@ -225,10 +225,11 @@ def test_checkpoint_from_2x2_resumes_on_1x4_and_on_one_device(tmp_path):
         assert "steps 4..8" in done.stdout
         a, b = checkpoint_values(whole), checkpoint_values(resumed)
         weights = [k for k in a if "/kernel" in k or "_trainable" in k]
-        # Other meshes sum in other orders: equal to fp32 rounding, not bitwise. And a max-pool
-        # window whose values tie but for rounding may pick another pixel on another mesh: with
-        # seed 2, one device's own 8 steps from scratch end 2.2e-5 from the hybrid's (1.5e-8 at
-        # step 4, 4.7e-6 at step 6; 3e-8 with seeds 3 and 4). atol stays 30-180 times below
+        # Other meshes sum in other orders: equal to fp32 rounding, not bitwise. And rounding can
+        # put a value on the other side of a ReLU's or a max-pool's decision: with seed 2, one
+        # device's own 8 steps from scratch end 2.2e-5 from the hybrid's and data x4's (1.5e-8
+        # at step 4, 4.7e-6 at step 6; data x4 and hybrid agree to 3e-8; so do one device and
+        # the hybrid with seeds 3 and 4), with oneDNN's kernels and Eigen's. atol stays 30-180 times below
         # what each variable moves in the four resumed steps (3.3e-3 to 1.8e-2).
         for key in weights:
             np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-4, err_msg=f"{name} {key}")
