@@ -309,6 +309,27 @@ def test_bad_checkpoints_are_refused(runs, tmp_path):
         from_checkpoint.restore_weights(model, path)
 
 
+@pytest.mark.parametrize("damage", ["missing", "empty", "names_moved_files"])
+def test_the_latest_checkpoint_is_found_without_its_state_file(runs, tmp_path, damage):
+    """As a resumed run does (training/run_dir.py): the newest checkpoint on disk when the
+    manager's state file is lost, empty, or names files moved away."""
+    import shutil
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(runs["data"]["run_dir"], run_dir)
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    state = os.path.join(checkpoints, "checkpoint")
+    if damage == "missing":
+        os.remove(state)
+    elif damage == "empty":
+        open(state, "w").close()
+    else:
+        for f in os.listdir(checkpoints):
+            if f.startswith("ckpt-6."):
+                os.remove(os.path.join(checkpoints, f))
+    newest = "ckpt-3" if damage == "names_moved_files" else "ckpt-6"
+    assert from_checkpoint.find_checkpoint(run_dir) == os.path.join(checkpoints, newest)
+
+
 def test_only_an_export_or_an_empty_directory_is_replaced(runs, tmp_path):
     source = load_source("digits")
     model = build_model("small_convnet", source.image_shape, source.num_classes)

@@ -234,7 +234,6 @@ def test_hidden_files_like_macos_resource_forks_are_ignored(small_folder):
     # AppleDouble: what macOS writes beside each file on a foreign disk; not an image
     _bad(small_folder, "cat", "._000.png", content=b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X")
     _bad(small_folder, "dog", ".hidden.jpg")
-    _bad(small_folder, ".DS_Store", content=b"\x00\x00\x00\x01Bud1")
     source = load_source(f"folder:{small_folder}", image_size=8)
     assert source.num_train + source.num_test == 30 and source.skipped == ()
 

@@ -77,7 +77,7 @@ def test_corrupt_checkpoint_is_refused_and_kept(cfg, devices, capsys):
     with open(data_file, "r+b") as f:
         f.truncate(100)
     with pytest.raises(UsageError, match=r"ckpt-8 cannot be restored .*: move its files \(ckpt-8\.\*\) out of "
-                                         r".* to resume from ckpt-4, the one before"):
+                                         r".* to resume from ckpt-4, or use a new"):
         train(dataclasses.replace(cfg, steps=12), devices[:2])
     assert os.path.getsize(data_file) == 100   # left for the user to inspect, not deleted
     # Its files moved out, as the message says: the run resumes from the one before.
@@ -97,6 +97,10 @@ def test_the_only_checkpoint_corrupt_is_refused_naming_a_new_run_dir(cfg, device
         f.truncate(100)
     with pytest.raises(UsageError, match="ckpt-4 cannot be restored .*: it is the run's only checkpoint: use a new"):
         train(cfg, devices[:2])
+    # Its files and the state file moved out, as the message says: training starts again.
+    for f in glob.glob(os.path.join(cfg.run_dir, "checkpoints", "*")):
+        os.remove(f)
+    assert train(cfg, devices[:2])["step"] == 8
 
 
 def _ckpt_files(run_dir):
@@ -125,6 +129,41 @@ def test_a_damaged_checkpoint_state_resumes_from_the_newest_checkpoint_on_disk(c
     assert "resuming from ckpt-" in caplog.text
     after = _ckpt_files(cfg.run_dir)
     assert all(after.get(name) == data for name, data in kept.items() if name.startswith("ckpt-4."))
+
+
+def test_an_empty_checkpoint_state_is_one_line(cfg, devices):
+    train(dataclasses.replace(cfg, steps=4), devices[:2])
+    open(os.path.join(cfg.run_dir, "checkpoints", "checkpoint"), "w").close()   # after a power cut
+    with pytest.raises(UsageError, match="checkpoint is empty or invalid .*: delete it, and the run resumes"):
+        train(cfg, devices[:2])
+
+
+def test_a_checkpoint_of_another_model_is_not_called_damaged(cfg, devices, monkeypatch):
+    """A user's --model module edited under the same name: no checkpoint of the run fits, so
+    "move it out to resume from the one before" would strip the run one checkpoint at a time."""
+    import keras
+
+    import tests.user_models
+    cfg = dataclasses.replace(cfg, model="tests.user_models:unnamed_dropout_convnet")
+    train(cfg, devices[:2])
+
+    def edited(input_shape, num_classes, **_):
+        return keras.Sequential([keras.Input(input_shape), keras.layers.Conv2D(8, 3, name="conv1"),
+                                 keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(num_classes)])
+    monkeypatch.setattr(tests.user_models, "unnamed_dropout_convnet", edited)
+    with pytest.raises(UsageError, match="ckpt-8 does not fit this run's model .*: its --model's code changed"):
+        train(dataclasses.replace(cfg, steps=12), devices[:2])
+
+
+def test_a_file_system_without_locks_trains_unlocked_with_a_warning(cfg, devices, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert train(dataclasses.replace(cfg, steps=0), devices[:2])["step"] == 0
+    assert "cannot lock" in caplog.text and "No locks available" in caplog.text
 
 
 def test_a_state_naming_checkpoints_that_are_all_gone_is_refused(cfg, devices):

@@ -95,9 +95,9 @@ def _train_or_report_oom(train, cfg, devices, runtime, **kwargs):
     try:
         return train(cfg, devices, runtime, **kwargs)
     except tf.errors.ResourceExhaustedError as e:
-        if any(sign in str(e) for sign in ("No space left", "tempstate", "SaveV2")):   # the disk, not the device
-            raise UsageError(f"no space left writing to --run_dir={cfg.run_dir} ({error_reason(e)}): free space, "
-                             "then run the same command again to resume") from None
+        if any(sign in str(e) for sign in _DISK_FULL):   # the disk, not the device
+            raise UsageError(f"cannot write to --run_dir={cfg.run_dir} ({error_reason(e)}): free space (or raise "
+                             "the limit), then run the same command again to resume") from None
         raise DoesNotFit(f"out of device memory with --strategy={cfg.strategy} --batch_size={cfg.batch_size} "
                          f"({error_reason(e, 200)}): use a smaller --batch_size or split the model "
                          "(--strategy=model or hybrid)") from None
@@ -107,6 +107,10 @@ def _train_or_report_oom(train, cfg, devices, runtime, **kwargs):
         raise UsageError(f"an image of --dataset={cfg.dataset} cannot be decoded ({error_reason(e)}): it is "
                          "damaged inside, past the first and last bytes checked before training; pass "
                          "--skip_bad_images to train without such images") from None
+
+
+# ResourceExhaustedError's messages from a file system, not from a device's allocator.
+_DISK_FULL = ("No space left", "Disk quota", "Too many open files", "tempstate", "SaveV2")
 
 
 def _fail(message: str, status: int = cli.USAGE_ERROR):

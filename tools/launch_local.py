@@ -77,8 +77,11 @@ def launch(num_workers: int, train_args: list[str], via: str = "tf_config", time
     commands = worker_commands(num_workers, train_args, via, free_ports(num_workers))
     procs, pumps = [], []
     for index, (argv, env) in enumerate(commands):
+        # A session of its own: a Ctrl-C at the terminal reaches the launcher alone, which passes
+        # it on once. In the terminal's process group every worker got it twice (the terminal's,
+        # then the launcher's), which the second time stops a worker without its checkpoint.
         proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
         procs.append(proc)
         pump = threading.Thread(target=_pump, args=(f"[w{index}]", proc.stdout, sys.stdout), daemon=True)
         pump.start()

@@ -213,8 +213,15 @@ class Config:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     def write(self, path: str) -> None:
-        with open(path, "w") as f:
-            f.write(self.to_json() + "\n")
+        """Writes the config atomically: a failure leaves the previous file, never half of one."""
+        staging = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(staging, "w") as f:
+                f.write(self.to_json() + "\n")
+            os.replace(staging, path)
+        finally:
+            if os.path.exists(staging):
+                os.remove(staging)
 
 
 def parse_profile_steps(text: str) -> tuple[int, int]:
@@ -279,6 +286,20 @@ def check_exportable_run(run_dir: str, checkpoint: str | None = None, export_dir
                          "give a prefix such as RUN_DIR/checkpoints/ckpt-100, without .index")
     check_export_dir(os.path.abspath(export_dir or RunPaths(run_dir).export))
     return cfg
+
+
+def checkpoints_on_disk(directory: str) -> list[str]:
+    """The prefixes of the checkpoints in `directory` whose index file exists, oldest first
+    (by the step in their name: ckpt-10 after ckpt-9). What a run resumes from, and exports,
+    when the CheckpointManager's state file (`checkpoints/checkpoint`) is lost or names files
+    moved away."""
+    found = []
+    for index in glob.glob(os.path.join(glob.escape(directory), "ckpt-*.index")):
+        prefix = index[: -len(".index")]
+        number = os.path.basename(prefix)[len("ckpt-"):]
+        if number.isdigit():
+            found.append((int(number), prefix))
+    return [prefix for _, prefix in sorted(found)]
 
 
 def check_export_dir(export_dir: str) -> None:

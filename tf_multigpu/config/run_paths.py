@@ -2,7 +2,8 @@
 training, export and the tools (training/run_dir.py does the reading and writing).
 
 Layout: config.json, checkpoints/, tensorboard/, summary.json, export/, and with
---profile_steps comm_report.json and comm_report.md.
+--profile_steps comm_report.json and comm_report.md; while a run trains, .training.lock
+(training/run_dir.py `writing_alone`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from tf_multigpu.config import RunPaths, check_exportable_run, no_checkpoint
+from tf_multigpu.config.config import checkpoints_on_disk
 from tf_multigpu.data import load_source
 from tf_multigpu.data.source import ImageSource
 from tf_multigpu.errors import UsageError
@@ -55,9 +56,17 @@ def find_checkpoint(run_dir: str, checkpoint: str | None = None) -> str:
     """The checkpoint prefix to export: `checkpoint` (a prefix, or a directory meaning its
     latest), else the latest checkpoint of the run."""
     if checkpoint is None:
-        found = tf.train.latest_checkpoint(RunPaths(run_dir).checkpoints)
-        if not found:
-            raise no_checkpoint(run_dir)
+        directory = RunPaths(run_dir).checkpoints
+        try:
+            found = tf.train.latest_checkpoint(directory)
+        except ValueError:   # an empty state file (TensorFlow: "Invalid checkpoint state")
+            found = None
+        if not found or not tf.io.gfile.exists(found + ".index"):
+            # The state file lost, garbled or naming moved files: the newest on disk, as a resumed run takes.
+            on_disk = checkpoints_on_disk(directory)
+            if not on_disk:
+                raise no_checkpoint(run_dir)
+            found = on_disk[-1]
         return found
     if os.path.isdir(checkpoint):
         found = tf.train.latest_checkpoint(checkpoint)
@@ -114,7 +123,10 @@ def evaluate_model(model: keras.Model, source: ImageSource) -> dict:
         return tf.reduce_sum(loss), tf.reduce_sum(tf.cast(hits, tf.float32))
 
     loss_sum = correct = count = 0.0
-    batches = source.test_records().map(lambda r, y: (source.decode(r), y)).batch(_EVAL_BATCH)
+    batches = source.test_records().map(lambda r, y: (source.decode(r), y))
+    if source.skip_bad_images:   # images damaged in their middle, dropped as training dropped them
+        batches = batches.ignore_errors(log_warning=True)
+    batches = batches.batch(_EVAL_BATCH)
     for images, labels in batches:
         loss, hits = sums(images, labels)
         loss_sum, correct, count = loss_sum + float(loss), correct + float(hits), count + len(labels)

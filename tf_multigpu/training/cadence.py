@@ -165,6 +165,11 @@ class Evaluate(Action):
         write_scalars(self.writer, "test", window.end, self.results.test)
 
 
+# What the file system raises when a checkpoint cannot be written. Other errors of a save (a
+# peer lost in a multi-worker save: UnavailableError, DeadlineExceededError) keep their own report.
+_WRITE_ERRORS = (OSError, tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError)
+
+
 class SaveCheckpoint(Action):
     """Every `every` steps and at the end (and when the workers stop early: `save`)."""
 
@@ -179,7 +184,7 @@ class SaveCheckpoint(Action):
         if self.run.manager and self.saved_at != step:
             try:
                 self.run.manager.save(checkpoint_number=step)
-            except (OSError, tf.errors.OpError) as e:   # a full disk is ResourceExhaustedError: not device memory
+            except _WRITE_ERRORS as e:   # a full disk is ResourceExhaustedError: not device memory
                 # The half-written checkpoint is TensorFlow's staging directory; the earlier ones are whole.
                 for temp in tf.io.gfile.glob(f"{self.run.manager.directory}/ckpt-{step}_temp*"):
                     shutil.rmtree(temp, ignore_errors=True)

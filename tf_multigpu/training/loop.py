@@ -11,12 +11,13 @@ single-device, data parallel, and model and hybrid parallel training.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import tensorflow as tf
 from absl import logging
 
-from tf_multigpu.config import Config
+from tf_multigpu.config import Config, check_previous_run
 from tf_multigpu.errors import UsageError
 from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model
@@ -50,6 +51,15 @@ def train(cfg: Config, devices: list[str], runtime=None, *, source=None, predict
     if not cfg.run_dir:
         raise ValueError("train() writes a run directory: give the Config a run_dir (build_run builds without one)")
     started = time.perf_counter()
+    check_previous_run(cfg)   # a run_dir that is a file, or holds another run: said before anything is made
+    # The chief takes the run directory for itself before it reads the checkpoint it resumes.
+    alone = writing_alone(os.path.abspath(cfg.run_dir)) if runtime is None or runtime.is_chief \
+        else contextlib.nullcontext()
+    with alone:
+        return _build_and_train(cfg, devices, runtime, source, prediction, started)
+
+
+def _build_and_train(cfg, devices, runtime, source, prediction, started) -> dict:
     run = build_run(cfg, devices, runtime, source=source)
     with start_writing(run) as writer:
         results, profiler = Results(step=run.start_step), make_profiler(run)
@@ -83,22 +93,18 @@ def _own_line(shows_progress: bool):
 @contextlib.contextmanager
 def start_writing(run: Run):
     """Everything is checked and any earlier state restored: from here on the run writes.
-    The chief takes the run directory for itself (`run_dir.writing_alone`, until the run
-    ends), writes config.json and prints the banner (one per run, not one per worker); yields
-    the TensorBoard writer (a no-op one on the other workers)."""
-    with contextlib.ExitStack() as stack:
-        try:
-            if run.role.is_chief:
-                stack.enter_context(writing_alone(run.paths.root))
-            run.role.write_config(run.cfg, run.paths)
-        except (OSError, tf.errors.OpError) as e:   # a read-only or full file system
-            raise UsageError(f"cannot write to --run_dir={run.cfg.run_dir} ({error_reason(e)}): choose a "
-                             "writable --run_dir, or free space; nothing in it has been changed") from None
-        if run.role.is_chief:
-            print(run.banner(), flush=True)
-        writer = run.role.summary_writer(run.paths)
-        write_scalars(writer, "memory_per_device", run.start_step, {f"{k}_bytes": v for k, v in run.memory.items()})
-        yield writer
+    Writes config.json and prints the banner (the chief: one per run, not one per worker);
+    yields the TensorBoard writer (a no-op one on the other workers)."""
+    try:
+        run.role.write_config(run.cfg, run.paths)
+    except (OSError, tf.errors.OpError) as e:   # a read-only or full file system
+        raise UsageError(f"cannot write to --run_dir={run.cfg.run_dir} ({error_reason(e)}): choose a "
+                         "writable --run_dir, or free space; nothing in it has been changed") from None
+    if run.role.is_chief:
+        print(run.banner(), flush=True)
+    writer = run.role.summary_writer(run.paths)
+    write_scalars(writer, "memory_per_device", run.start_step, {f"{k}_bytes": v for k, v in run.memory.items()})
+    yield writer
 
 
 def finish_run(run: Run, writer, results: Results, started: float, prediction=None) -> dict:

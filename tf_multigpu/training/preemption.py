@@ -10,7 +10,9 @@ PREEMPTED_EXIT_CODE; rerunning the same command resumes from step N exactly.
 
 Ctrl-C (SIGINT) is handled the same way, with exit status 130 (128 + SIGINT, what a shell
 reports for it): Python's default turned it into a KeyboardInterrupt traceback that lost
-every step since the last periodic checkpoint. A second Ctrl-C stops at once, as before.
+every step since the last periodic checkpoint. A second one stops without the checkpoint, as
+before. (Python runs handlers between steps' windows, so two Ctrl-C within one window are a
+first and a second.) A signal the process ignores (SIGINT of a background job) stays ignored.
 
 We do not use `tf.distribute.experimental.PreemptionCheckpointHandler` (BUILD_NOTES.md,
 "Several workers"): it counts its own "run calls" in a variable it adds to our checkpoint,
@@ -22,8 +24,8 @@ MultiWorkerMirroredStrategy, DTensor meshes and one process.
 
 from __future__ import annotations
 
+import os
 import signal
-import sys
 
 PREEMPTED_EXIT_CODE = 143   # 128 + SIGTERM: what a terminated process reports; schedulers restart it
 EXIT_CODES = {signal.SIGTERM: PREEMPTED_EXIT_CODE, signal.SIGINT: 130}
@@ -43,7 +45,7 @@ class Preempted(Exception):
 class StopOnSignal:
     """While installed, a first SIGTERM or SIGINT raises a flag instead of killing the process;
     a second one does what it did before (a worker stuck outside the loop can still be
-    stopped, and a second Ctrl-C interrupts at once).
+    stopped, and a second Ctrl-C interrupts without a checkpoint).
 
     `with StopOnSignal.install() as stop:` uninstalls it on the way out, errors included."""
 
@@ -57,6 +59,8 @@ class StopOnSignal:
         stop = cls()
         for signum in SIGNALS:
             try:
+                if signal.getsignal(signum) is signal.SIG_IGN:   # e.g. SIGINT of `cmd &` in a script: not ours
+                    continue
                 stop._previous[signum] = signal.signal(signum, stop._handle)
             except ValueError:   # not the main thread (e.g. a notebook's worker thread): keep the default
                 pass
@@ -70,7 +74,8 @@ class StopOnSignal:
 
     def uninstall(self) -> None:
         for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
+            # None: a handler installed from C, which Python cannot put back; the default then
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
 
     def _handle(self, signum, frame):
@@ -80,8 +85,10 @@ class StopOnSignal:
             return
         self.requested, self.signum = True, signum
         if signum == signal.SIGINT:   # someone at a terminal: say that it was heard
-            print(f"\n{signal.Signals(signum).name}: stopping after the current steps, with a checkpoint "
-                  "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+            # os.write, not print: a handler that interrupts a write to stderr must not write through
+            # the same buffered file ("reentrant call").
+            os.write(2, b"\nSIGINT: stopping after the current steps, with a checkpoint (another Ctrl-C "
+                        b"stops without one)\n")
 
     def agreed(self, par) -> bool:
         """True on every worker if any worker has been asked to stop (a collective call:

@@ -19,6 +19,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_multigpu.config import RunPaths
+from tf_multigpu.config.config import checkpoints_on_disk
 from tf_multigpu.errors import UsageError
 
 KEEP_CHECKPOINTS = 3
@@ -33,7 +34,11 @@ def restore_latest(checkpoint: tf.train.Checkpoint, paths: RunPaths) -> tf.train
     file alone made a run whose state file was lost or garbled start again from step 0 and
     save over the checkpoints it did not see, and a checkpoint moved away (as the error below
     advises) kept being asked for."""
-    manager = tf.train.CheckpointManager(checkpoint, paths.checkpoints, max_to_keep=KEEP_CHECKPOINTS)
+    try:
+        manager = tf.train.CheckpointManager(checkpoint, paths.checkpoints, max_to_keep=KEEP_CHECKPOINTS)
+    except ValueError as e:   # an empty state file parses, then TensorFlow refuses it ("Invalid checkpoint state")
+        raise UsageError(f"{paths.checkpoints}/checkpoint is empty or invalid ({error_reason(e)}): delete it, and "
+                         "the run resumes from the newest checkpoint there") from None
     named = manager.latest_checkpoint
     on_disk = checkpoints_on_disk(paths.checkpoints)
     # By name: a run directory copied elsewhere may hold a state file with the old paths.
@@ -54,55 +59,73 @@ def restore_latest(checkpoint: tf.train.Checkpoint, paths: RunPaths) -> tf.train
             # Dropout seed states of runs from before StatelessDropout); every object of this
             # run must still find its value.
             checkpoint.restore(latest).expect_partial().assert_existing_objects_matched()
+        except (AssertionError, ValueError) as e:   # values missing or of other shapes: another model
+            raise UsageError(f"checkpoint {latest} does not fit this run's model ({error_reason(e)}): its "
+                             "--model's code changed since the run saved it? restore that code, or use a new "
+                             "--run_dir") from None
         except Exception as e:  # noqa: BLE001  truncated files raise IndexError, others OpError...
-            earlier = on_disk[:on_disk.index(latest)]
-            fix = (f"move its files ({os.path.basename(latest)}.*) out of {paths.checkpoints} to resume from "
-                   f"{os.path.basename(earlier[-1])}, the one before, or use a new --run_dir" if earlier else
-                   "it is the run's only checkpoint: use a new --run_dir, or move its files out to train again "
-                   "from step 0")
+            others = [prefix for prefix in on_disk if prefix != latest]   # what a run would resume from next
+            name = os.path.basename(latest)
+            fix = (f"move its files ({name}.*) out of {paths.checkpoints} to resume from "
+                   f"{os.path.basename(others[-1])}, or use a new --run_dir" if others else
+                   f"it is the run's only checkpoint: use a new --run_dir, or move its files ({name}.*) and "
+                   f"{paths.checkpoints}/checkpoint out to train again from step 0")
             raise UsageError(f"checkpoint {latest} cannot be restored ({error_reason(e)}): {fix}") from None
     return manager
 
 
-def checkpoints_on_disk(directory: str) -> list[str]:
-    """The prefixes of the checkpoints in `directory` whose index file exists, oldest first
-    (by the step in their name: ckpt-10 after ckpt-9)."""
-    found = []
-    for index in tf.io.gfile.glob(os.path.join(directory, "ckpt-*.index")):
-        prefix = index[: -len(".index")]
-        number = os.path.basename(prefix)[len("ckpt-"):]
-        if number.isdigit():
-            found.append((int(number), prefix))
-    return [prefix for _, prefix in sorted(found)]
-
-
 @contextlib.contextmanager
 def writing_alone(root: str):
-    """Holds an exclusive lock on the run directory while this process writes it. A second run
+    """Holds an exclusive lock on the run directory while this process trains it. A second run
     of the same --run_dir (a command started twice, a forgotten background job) restored the
     same checkpoint and saved its own over this run's, unrefused. flock: the kernel releases
     it when the process dies, so a killed run leaves no stale lock (the file may stay; it
-    holds the last owner's process id, for the message)."""
-    os.makedirs(root, exist_ok=True)
+    holds the last owner's process id, for the message). A file system without flock (NFS
+    without lockd, Lustre without -o flock) runs unlocked, with a warning.
+
+    A directory this call made is removed again if the run leaves it empty (a run refused
+    while it builds)."""
+    made = not os.path.exists(root)
     path = os.path.join(root, LOCK_FILE)
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+    try:
+        while True:
+            try:
+                os.makedirs(root, exist_ok=True)
+                handle = open(path, "a+")
+            except OSError as e:   # a read-only or full file system
+                raise UsageError(f"cannot write to --run_dir={root} ({error_reason(e)}): choose a writable "
+                                 "--run_dir, or free space; nothing in it has been changed") from None
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:   # held
+                handle.seek(0)
+                owner = handle.read().strip()
+                handle.close()
+                by = f"another process (pid {owner})" if owner else "another process"
+                raise UsageError(f"--run_dir={root} is being trained by {by}: wait for it to end or stop it, "
+                                 "or use another --run_dir") from None
+            except OSError as e:   # no locks on this file system
+                logging.warning("--run_dir=%s: cannot lock %s (%s); nothing stops a second run on it", root, path, e)
+                break
+            # The owner before us removes the file as it ends; a lock taken on the file it removed
+            # is no lock (a third run would make a new file): take it again on the file there now.
+            if os.path.exists(path) and os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
+                break
+            handle.close()
+        with handle:
             handle.seek(0)
-            owner = handle.read().strip()
-            by = f"another process (pid {owner})" if owner else "another process"
-            raise UsageError(f"--run_dir={root} is being trained by {by}: wait for it to end or stop it, "
-                             "or use another --run_dir") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        try:
-            yield
-        finally:
+            handle.truncate()
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+            try:
+                yield
+            finally:
+                with contextlib.suppress(OSError):
+                    os.remove(path)   # while still holding it (see the check above)
+    finally:
+        if made:
             with contextlib.suppress(OSError):
-                os.remove(path)   # while still holding it: a run that waits finds no lock file
+                os.rmdir(root)   # only if empty
 
 
 def write_json(path: str, values: dict) -> None:
