@@ -41,6 +41,7 @@ DEFAULT_TEST_FRACTION = 0.2
 SPLIT_SEED = 0
 DEFAULT_SIZE = 224
 _IMAGENET_CLASS = re.compile(r"n\d{8}")   # WordNet ids, ImageNet's folder names
+_TAIL = 1 << 16    # bytes of a JPEG's end searched for its end marker before its whole scan
 _CHUNK = 1 << 20   # bytes read at a time when a JPEG's end marker is searched past its last 16
 
 
@@ -267,6 +268,17 @@ def _jpeg_has_end(path) -> bool:
                 f.seek(length - 2, os.SEEK_CUR)
                 if marker[1] == 0xDA:                      # SOS: the compressed data starts
                     break
+            # First the last _TAIL bytes, if they are past the SOS: phones append trailers of a
+            # few KiB after the end (Samsung's SEFH/SEFT), and reading each such photo whole from
+            # its scan would make the up-front check read most of a phone's photos. A truncated
+            # file's last bytes are compressed data (no FF D9); data appended after a real end
+            # means the end exists, wherever the window finds FF D9.
+            scan, size = f.tell(), os.fstat(f.fileno()).st_size
+            if size - _TAIL > scan:
+                f.seek(size - _TAIL)
+                if b"\xff\xd9" in f.read(_TAIL):
+                    return True
+                f.seek(scan)
             last = b""
             while chunk := f.read(_CHUNK):
                 if b"\xff\xd9" in last + chunk[:1] or b"\xff\xd9" in chunk:
