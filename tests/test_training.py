@@ -380,6 +380,6 @@ def test_only_the_train_step_has_while_loops(devices):
     ("", "IndexError"),
 ])
 def test_an_errors_reason_is_its_first_line_that_says_something(message, reason):
-    from tf_multigpu.training.run_dir import error_reason
+    from tf_multigpu.errors import error_reason
     assert error_reason(IndexError(message) if not message else RuntimeError(message)) == reason
 

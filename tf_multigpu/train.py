@@ -20,7 +20,7 @@ from tf_multigpu.config import check_before_start
 from tf_multigpu.config import flags as run_flags
 from tf_multigpu.config.workload_flags import WORKLOAD_FLAGS
 from tf_multigpu.data import check_dataset_flags
-from tf_multigpu.errors import DoesNotFit, UsageError
+from tf_multigpu.errors import DoesNotFit, UsageError, error_reason
 
 PEER_LOST = 1
 
@@ -90,8 +90,6 @@ def _train_or_report_oom(train, cfg, devices, runtime, **kwargs):
     the errors of a full disk and of an image damaged past the checks the folder source makes
     up front (data/folder.py) turned into UsageError (one line)."""
     import tensorflow as tf
-
-    from tf_multigpu.training.run_dir import error_reason
     try:
         return train(cfg, devices, runtime, **kwargs)
     except tf.errors.ResourceExhaustedError as e:

@@ -213,15 +213,7 @@ class Config:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     def write(self, path: str) -> None:
-        """Writes the config atomically: a failure leaves the previous file, never half of one."""
-        staging = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(staging, "w") as f:
-                f.write(self.to_json() + "\n")
-            os.replace(staging, path)
-        finally:
-            if os.path.exists(staging):
-                os.remove(staging)
+        write_atomically(path, self.to_json() + "\n")
 
 
 def parse_profile_steps(text: str) -> tuple[int, int]:
@@ -286,6 +278,19 @@ def check_exportable_run(run_dir: str, checkpoint: str | None = None, export_dir
                          "give a prefix such as RUN_DIR/checkpoints/ckpt-100, without .index")
     check_export_dir(os.path.abspath(export_dir or RunPaths(run_dir).export))
     return cfg
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Writes `text` to `path` through a staging file: a failure leaves the previous file, never
+    half of one (config.json, summary.json)."""
+    staging = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(staging, "w") as f:
+            f.write(text)
+        os.replace(staging, path)
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)
 
 
 def checkpoints_on_disk(directory: str) -> list[str]:

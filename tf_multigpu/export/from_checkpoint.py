@@ -21,6 +21,7 @@ import tensorflow as tf
 from tf_multigpu.config import RunPaths, check_exportable_run, no_checkpoint
 from tf_multigpu.config.config import checkpoints_on_disk
 from tf_multigpu.data import load_source
+from tf_multigpu.data.pipeline import drop_undecodable
 from tf_multigpu.data.source import ImageSource
 from tf_multigpu.errors import UsageError
 from tf_multigpu.export.saved_model import export_saved_model
@@ -123,9 +124,8 @@ def evaluate_model(model: keras.Model, source: ImageSource) -> dict:
         return tf.reduce_sum(loss), tf.reduce_sum(tf.cast(hits, tf.float32))
 
     loss_sum = correct = count = 0.0
-    batches = source.test_records().map(lambda r, y: (source.decode(r), y))
-    if source.skip_bad_images:   # images damaged in their middle, dropped as training dropped them
-        batches = batches.ignore_errors(log_warning=True)
+    # images damaged in their middle dropped, as training dropped them (--skip_bad_images)
+    batches = drop_undecodable(source, source.test_records().map(lambda r, y: (source.decode(r), y)))
     batches = batches.batch(_EVAL_BATCH)
     for images, labels in batches:
         loss, hits = sums(images, labels)

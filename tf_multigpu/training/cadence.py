@@ -21,11 +21,10 @@ import tensorflow as tf
 from absl import logging
 
 from tf_multigpu.data.throughput import InputCheck
-from tf_multigpu.errors import UsageError
+from tf_multigpu.errors import UsageError, error_reason
 from tf_multigpu.parallel.base import host_scalars
 from tf_multigpu.profiling.step_profiler import StepProfiler
 from tf_multigpu.training.preemption import Preempted
-from tf_multigpu.training.run_dir import error_reason
 
 
 @dataclasses.dataclass

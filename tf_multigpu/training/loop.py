@@ -18,7 +18,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_multigpu.config import Config, check_previous_run
-from tf_multigpu.errors import UsageError
+from tf_multigpu.errors import UsageError, error_reason
 from tf_multigpu.export import export_saved_model
 from tf_multigpu.models import build_model
 from tf_multigpu.parallel.memory import host_bytes
@@ -37,7 +37,7 @@ from tf_multigpu.training.cadence import (
 )
 from tf_multigpu.training.preemption import StopOnSignal
 from tf_multigpu.training.run import Run, build_run
-from tf_multigpu.training.run_dir import error_reason, writing_alone
+from tf_multigpu.training.run_dir import writing_alone
 
 
 def train(cfg: Config, devices: list[str], runtime=None, *, source=None, prediction=None) -> dict:

@@ -13,14 +13,13 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 
 import tensorflow as tf
 from absl import logging
 
 from tf_multigpu.config import RunPaths
-from tf_multigpu.config.config import checkpoints_on_disk
-from tf_multigpu.errors import UsageError
+from tf_multigpu.config.config import checkpoints_on_disk, write_atomically
+from tf_multigpu.errors import UsageError, error_reason
 
 KEEP_CHECKPOINTS = 3
 LOCK_FILE = ".training.lock"   # held while a run writes the directory (`writing_alone`)
@@ -130,28 +129,4 @@ def writing_alone(root: str):
 
 def write_json(path: str, values: dict) -> None:
     """Writes `values` atomically (a crash leaves the previous file, never half of one)."""
-    staging = f"{path}.tmp-{os.getpid()}"
-    with open(staging, "w") as f:
-        json.dump(values, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(staging, path)
-
-
-def error_reason(e: Exception, limit: int = 240) -> str:
-    """An error's first line that says something, without TensorFlow's wrapping (a graph
-    error's "Graph execution error:", "N root error(s) found.", "(0) INVALID_ARGUMENT:",
-    "Detected at node ..." and stack lines, {{function_node ...}}, [[{{node ...}}]]), shortened
-    at a word."""
-    for line in str(e).splitlines():
-        line = re.sub(r"\{\{[^}]*\}\}|\[\[[^\]]*\]\]", "", line).strip(" \t;:")
-        line = re.sub(r"^\(\d+\) [A-Z_]+:\s*", "", line)   # one of several devices' errors: "(0) INVALID_ARGUMENT:"
-        if (line and not line.startswith(_WRAPPING) and not line.startswith(("File ", "<"))
-                and not _ROOT_ERRORS.match(line)):
-            break
-    else:
-        return type(e).__name__
-    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
-
-
-_WRAPPING = ("Graph execution error", "Detected at node", "Detected unsupported operations")
-_ROOT_ERRORS = re.compile(r"\d+ root error\(s\) found")
+    write_atomically(path, json.dumps(values, indent=2, sort_keys=True) + "\n")
