@@ -122,13 +122,19 @@ def test_a_damaged_checkpoint_state_resumes_from_the_newest_checkpoint_on_disk(c
         for f in glob.glob(os.path.join(cfg.run_dir, "checkpoints", "ckpt-8.*")):
             os.remove(f)
     kept = _ckpt_files(cfg.run_dir)
+    resumed_at = 4 if damage == "names_a_moved_checkpoint" else 8
+    # The state file names the checkpoints on disk again, even where the run saves nothing
+    # (an export then names its checkpoint), so the manager deletes them in turn as it saves.
+    train(dataclasses.replace(cfg, steps=resumed_at), devices[:2])
+    assert tf.train.latest_checkpoint(os.path.join(cfg.run_dir, "checkpoints")).endswith(f"ckpt-{resumed_at}")
     capsys.readouterr()
     train(dataclasses.replace(cfg, steps=12), devices[:2])
-    resumed_at = 4 if damage == "names_a_moved_checkpoint" else 8
     assert f"steps {resumed_at}..12" in capsys.readouterr().out
     assert "resuming from ckpt-" in caplog.text
     after = _ckpt_files(cfg.run_dir)
     assert all(after.get(name) == data for name, data in kept.items() if name.startswith("ckpt-4."))
+    state = tf.train.get_checkpoint_state(os.path.join(cfg.run_dir, "checkpoints"))
+    assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == ["ckpt-4", "ckpt-8", "ckpt-12"]
 
 
 def test_an_empty_checkpoint_state_is_one_line(cfg, devices):

@@ -25,14 +25,19 @@ KEEP_CHECKPOINTS = 3
 LOCK_FILE = ".training.lock"   # held while a run writes the directory (`writing_alone`)
 
 
-def restore_latest(checkpoint: tf.train.Checkpoint, paths: RunPaths) -> tf.train.CheckpointManager:
+def restore_latest(checkpoint: tf.train.Checkpoint, paths: RunPaths, writes: bool = True) -> tf.train.CheckpointManager:
     """A CheckpointManager for the run; restores its latest checkpoint if there is one.
 
     The latest is the one the manager's state file (`checkpoints/checkpoint`) names, if its
     files exist; otherwise the newest checkpoint on disk, with a warning. Trusting the state
     file alone made a run whose state file was lost or garbled start again from step 0 and
     save over the checkpoints it did not see, and a checkpoint moved away (as the error below
-    advises) kept being asked for."""
+    advises) kept being asked for.
+
+    Once such a fallback checkpoint is restored, a run that `writes` the directory rewrites the
+    state file to name the checkpoints on disk, as the manager would have: otherwise the
+    manager knows none of them, so the export of a run that saved nothing new named no
+    checkpoint, and the older ones were never deleted as newer ones came (max_to_keep)."""
     try:
         manager = tf.train.CheckpointManager(checkpoint, paths.checkpoints, max_to_keep=KEEP_CHECKPOINTS)
     except ValueError as e:   # an empty state file parses, then TensorFlow refuses it ("Invalid checkpoint state")
@@ -70,7 +75,20 @@ def restore_latest(checkpoint: tf.train.Checkpoint, paths: RunPaths) -> tf.train
                    f"it is the run's only checkpoint: use a new --run_dir, or move its files ({name}.*) and "
                    f"{paths.checkpoints}/checkpoint out to train again from step 0")
             raise UsageError(f"checkpoint {latest} cannot be restored ({error_reason(e)}): {fix}") from None
+        if latest != named_here and writes:
+            _write_state(paths.checkpoints, on_disk)   # latest is on_disk[-1]
+            manager = tf.train.CheckpointManager(checkpoint, paths.checkpoints, max_to_keep=KEEP_CHECKPOINTS)
     return manager
+
+
+def _write_state(directory: str, prefixes: list[str]) -> None:
+    """The CheckpointManager's state file naming `prefixes` (oldest first; the last is the
+    latest), with their index files' times: the manager deletes only checkpoints with a time
+    (those without one count as kept for good, like keep_checkpoint_every_n_hours')."""
+    lines = [f'model_checkpoint_path: "{os.path.basename(prefixes[-1])}"']
+    lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in prefixes]
+    lines += [f"all_model_checkpoint_timestamps: {os.path.getmtime(p + '.index')!r}" for p in prefixes]
+    write_atomically(os.path.join(directory, "checkpoint"), "\n".join(lines) + "\n")
 
 
 @contextlib.contextmanager

@@ -34,8 +34,9 @@ class WorkerRole:
 
     def checkpoint_manager(self, checkpoint: tf.train.Checkpoint, paths: RunPaths) -> tf.train.CheckpointManager:
         """Restores the run's latest checkpoint; returns the manager this worker saves with."""
-        manager = run_dir.restore_latest(checkpoint, paths)
-        if self.is_chief or self._shared_checkpoints:
+        writes = self.is_chief or self._shared_checkpoints
+        manager = run_dir.restore_latest(checkpoint, paths, writes=writes)
+        if writes:
             return manager
         temp = tempfile.mkdtemp(prefix=f"tf_multigpu_worker{self.task_index}_")
         self._temp_dirs.append(temp)
