@@ -88,7 +88,11 @@ def _write_state(directory: str, prefixes: list[str]) -> None:
     lines = [f'model_checkpoint_path: "{os.path.basename(prefixes[-1])}"']
     lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in prefixes]
     lines += [f"all_model_checkpoint_timestamps: {os.path.getmtime(p + '.index')!r}" for p in prefixes]
-    write_atomically(os.path.join(directory, "checkpoint"), "\n".join(lines) + "\n")
+    try:
+        write_atomically(os.path.join(directory, "checkpoint"), "\n".join(lines) + "\n")
+    except OSError as e:   # a read-only or full checkpoints directory
+        raise UsageError(f"cannot write {directory}/checkpoint ({error_reason(e)}): make {directory} writable, "
+                         "or free space; nothing in it has been changed") from None
 
 
 @contextlib.contextmanager
