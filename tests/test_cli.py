@@ -139,6 +139,17 @@ def test_cuinit_failing_with_an_nvidia_device_is_shown(monkeypatch):
     assert cli._shown("E0000 00:00:1.0 1 cuda_platform.cc:52] failed call to cuInit: INTERNAL\n", 2, True)
 
 
+def test_an_unexpected_error_before_training_is_raised_as_itself(monkeypatch):
+    """Not as an UnboundLocalError of an exception class imported later in main's try block."""
+    from tf_multigpu import train
+
+    def broken():
+        raise RuntimeError("a broken install")
+    monkeypatch.setattr(train.run_flags, "config_from_flags", broken)
+    with pytest.raises(RuntimeError, match="a broken install"):
+        train.main(["tf-multigpu-train"])
+
+
 def _clean_env():
     """The user's environment: no log level of ours or of the test set-up."""
     return {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_MULTIGPU_QUIET")}

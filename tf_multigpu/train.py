@@ -21,6 +21,7 @@ from tf_multigpu.config import flags as run_flags
 from tf_multigpu.config.workload_flags import WORKLOAD_FLAGS
 from tf_multigpu.data import check_dataset_flags
 from tf_multigpu.errors import DoesNotFit, UsageError, error_reason
+from tf_multigpu.training.preemption import Preempted  # pure Python: the except clause below needs it bound
 
 PEER_LOST = 1
 
@@ -44,7 +45,6 @@ def main(argv):
             enable_graph_dumps()
         from tf_multigpu.parallel import configure_devices  # imports TensorFlow
         from tf_multigpu.training.loop import train
-        from tf_multigpu.training.preemption import Preempted
         if cluster:
             runtime = clusters.start_runtime(cluster, cfg.strategy, cfg.cpu_devices, cfg.num_devices, cfg.peer_timeout)
             devices = runtime.local_devices
