@@ -123,6 +123,10 @@ def test_a_damaged_checkpoint_state_resumes_from_the_newest_checkpoint_on_disk(c
             os.remove(f)
     kept = _ckpt_files(cfg.run_dir)
     resumed_at = 4 if damage == "names_a_moved_checkpoint" else 8
+    state_before = open(state).read() if os.path.exists(state) else None
+    with pytest.raises(UsageError, match="past the end of --steps"):   # refused: writes nothing, state file included
+        train(dataclasses.replace(cfg, steps=resumed_at - 2), devices[:2])
+    assert (open(state).read() if os.path.exists(state) else None) == state_before
     # The state file names the checkpoints on disk again, even where the run saves nothing
     # (an export then names its checkpoint), so the manager deletes them in turn as it saves.
     train(dataclasses.replace(cfg, steps=resumed_at), devices[:2])

@@ -100,6 +100,8 @@ def start_writing(run: Run):
     except (OSError, tf.errors.OpError) as e:   # a read-only or full file system
         raise UsageError(f"cannot write to --run_dir={run.cfg.run_dir} ({error_reason(e)}): choose a "
                          "writable --run_dir, or free space; nothing in it has been changed") from None
+    if run.manager:
+        run.manager = run.role.name_checkpoints(run.manager)
     if run.role.is_chief:
         print(run.banner(), flush=True)
     writer = run.role.summary_writer(run.paths)

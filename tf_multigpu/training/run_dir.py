@@ -25,7 +25,7 @@ KEEP_CHECKPOINTS = 3
 LOCK_FILE = ".training.lock"   # held while a run writes the directory (`writing_alone`)
 
 
-def restore_latest(checkpoint: tf.train.Checkpoint, paths: RunPaths, writes: bool = True) -> tf.train.CheckpointManager:
+def restore_latest(checkpoint: tf.train.Checkpoint, paths: RunPaths) -> tuple[tf.train.CheckpointManager, list[str]]:
     """A CheckpointManager for the run; restores its latest checkpoint if there is one.
 
     The latest is the one the manager's state file (`checkpoints/checkpoint`) names, if its
@@ -34,10 +34,9 @@ def restore_latest(checkpoint: tf.train.Checkpoint, paths: RunPaths, writes: boo
     save over the checkpoints it did not see, and a checkpoint moved away (as the error below
     advises) kept being asked for.
 
-    Once such a fallback checkpoint is restored, a run that `writes` the directory rewrites the
-    state file to name the checkpoints on disk, as the manager would have: otherwise the
-    manager knows none of them, so the export of a run that saved nothing new named no
-    checkpoint, and the older ones were never deleted as newer ones came (max_to_keep)."""
+    Returns (the manager, the checkpoints on disk its state file should name but does not: []
+    unless the fallback was taken). Nothing is written here; `name_checkpoints` writes that
+    state file once the run starts writing."""
     try:
         manager = tf.train.CheckpointManager(checkpoint, paths.checkpoints, max_to_keep=KEEP_CHECKPOINTS)
     except ValueError as e:   # an empty state file parses, then TensorFlow refuses it ("Invalid checkpoint state")
@@ -75,16 +74,17 @@ def restore_latest(checkpoint: tf.train.Checkpoint, paths: RunPaths, writes: boo
                    f"it is the run's only checkpoint: use a new --run_dir, or move its files ({name}.*) and "
                    f"{paths.checkpoints}/checkpoint out to train again from step 0")
             raise UsageError(f"checkpoint {latest} cannot be restored ({error_reason(e)}): {fix}") from None
-        if latest != named_here and writes:
-            _write_state(paths.checkpoints, on_disk)   # latest is on_disk[-1]
-            manager = tf.train.CheckpointManager(checkpoint, paths.checkpoints, max_to_keep=KEEP_CHECKPOINTS)
-    return manager
+    return manager, (on_disk if latest and latest != named_here else [])   # the fallback's latest: on_disk[-1]
 
 
-def _write_state(directory: str, prefixes: list[str]) -> None:
-    """The CheckpointManager's state file naming `prefixes` (oldest first; the last is the
-    latest), with their index files' times: the manager deletes only checkpoints with a time
-    (those without one count as kept for good, like keep_checkpoint_every_n_hours')."""
+def name_checkpoints(checkpoint: tf.train.Checkpoint, paths: RunPaths, prefixes: list[str]):
+    """Rewrites the state file to name `prefixes` (oldest first; the last is the latest), as the
+    manager would have, and returns a manager that knows them. After a fallback restore the
+    manager knew none: the export of a run that saved nothing new named no checkpoint, and the
+    older checkpoints were never deleted as newer ones came (max_to_keep). With their index
+    files' times: the manager deletes only checkpoints with a time (those without one count as
+    kept for good, like keep_checkpoint_every_n_hours')."""
+    directory = paths.checkpoints
     lines = [f'model_checkpoint_path: "{os.path.basename(prefixes[-1])}"']
     lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in prefixes]
     lines += [f"all_model_checkpoint_timestamps: {os.path.getmtime(p + '.index')!r}" for p in prefixes]
@@ -93,6 +93,7 @@ def _write_state(directory: str, prefixes: list[str]) -> None:
     except OSError as e:   # a read-only or full checkpoints directory
         raise UsageError(f"cannot write {directory}/checkpoint ({error_reason(e)}): make {directory} writable, "
                          "or free space; nothing in it has been changed") from None
+    return tf.train.CheckpointManager(checkpoint, directory, max_to_keep=KEEP_CHECKPOINTS)
 
 
 @contextlib.contextmanager

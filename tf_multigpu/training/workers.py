@@ -31,16 +31,26 @@ class WorkerRole:
         self.task_index = 0 if runtime is None else runtime.cluster.task_index
         self._shared_checkpoints = shared_checkpoints
         self._temp_dirs = []
+        self._unnamed = None   # (checkpoint, paths, prefixes) for name_checkpoints
 
     def checkpoint_manager(self, checkpoint: tf.train.Checkpoint, paths: RunPaths) -> tf.train.CheckpointManager:
         """Restores the run's latest checkpoint; returns the manager this worker saves with."""
-        writes = self.is_chief or self._shared_checkpoints
-        manager = run_dir.restore_latest(checkpoint, paths, writes=writes)
-        if writes:
+        manager, unnamed = run_dir.restore_latest(checkpoint, paths)
+        if self.is_chief or self._shared_checkpoints:
+            self._unnamed = (checkpoint, paths, unnamed) if unnamed else None
             return manager
         temp = tempfile.mkdtemp(prefix=f"tf_multigpu_worker{self.task_index}_")
         self._temp_dirs.append(temp)
         return tf.train.CheckpointManager(checkpoint, temp, max_to_keep=1)
+
+    def name_checkpoints(self, manager: tf.train.CheckpointManager) -> tf.train.CheckpointManager:
+        """The manager to save with from now on: after a restore from a checkpoint the state
+        file did not name (run_dir.restore_latest), one that knows the checkpoints on disk,
+        the state file rewritten to name them. Called once the run starts writing."""
+        if not self._unnamed:
+            return manager
+        manager, self._unnamed = run_dir.name_checkpoints(*self._unnamed), None
+        return manager
 
     def write_config(self, cfg: Config, paths: RunPaths) -> None:
         if self.is_chief:
