@@ -137,6 +137,8 @@ def test_tfds_imagenet_resized():
 @pytest.mark.parametrize("name, kwargs, needle", [
     ("mnist_in_a_hat", {}, "choose one of digits, synthetic, tfds:NAME"),
     ("tfds:no_such_set_xyz", {}, "TFDS has no such data set"),
+    ("tfds:cifar1", {}, "TFDS has no such data set; did you mean tfds:cifar10?"),
+    ("tfds:cifar10:9.9.9", {}, "TFDS cannot load it (Failed to construct"),   # not "no such data set"
     ("tfds:cifar10", {"data_dir": "/tmp"}, "is not prepared in /tmp"),
     ("digits", {"image_size": 32}, "--image_size does not apply"),
 ])

@@ -8,11 +8,13 @@ With `--augment=paper` (the default for imagenet2012) they go through the paper'
 instead (data/augment.py): shorter side 256, random 224 crops and mirroring for training.
 """
 
+import re
+
 import tensorflow as tf
 
 from tf_multigpu.data import augment as augments
 from tf_multigpu.data.source import ImageSource
-from tf_multigpu.errors import UsageError
+from tf_multigpu.errors import UsageError, error_reason
 
 DEFAULT_SIZE_FOR_VARIABLE_IMAGES = 224
 
@@ -24,9 +26,13 @@ def load_tfds_source(name: str, data_dir=None, image_size: int = 0, augment: str
 
     try:
         builder = tfds.builder(name, data_dir=data_dir)
-    except Exception as e:  # DatasetNotFoundError and friends: the message lists near names
-        raise UsageError(f"--dataset=tfds:{name}: TFDS has no such data set ({type(e).__name__}); "
-                         "see `tfds.list_builders()` for the names") from None
+    except tfds.core.registered.DatasetNotFoundError as e:   # its message: every name, then a near one
+        near = re.search(r"Did you mean: \S+ -> (\S+)", str(e))
+        hint = f"did you mean tfds:{near.group(1)}? " if near else ""
+        raise UsageError(f"--dataset=tfds:{name}: TFDS has no such data set; {hint}see `tfds.list_builders()` "
+                         "for the names") from None
+    except Exception as e:  # noqa: BLE001  a version it does not have (AssertionError), an unreadable dataset_info...
+        raise UsageError(f"--dataset=tfds:{name}: TFDS cannot load it ({error_reason(e)})") from None
     features = builder.info.features
     if "image" not in features or "label" not in features:
         raise UsageError(f"--dataset=tfds:{name} is not an image classification set "
