@@ -49,6 +49,14 @@ def test_a_mesh_runs_batch_norm_as_the_lean_layer(devices):
 
 
 @pytest.mark.in_process_mesh
+def test_a_layer_that_cannot_be_made_from_its_config_is_one_line(devices):
+    """Was a TypeError traceback from Keras' from_config (GatherScale's deserialisation)."""
+    with pytest.raises(UsageError, match=r"layer \S+ \(_Scale\) cannot be made again from its get_config\(\) .*"
+                                         r"pass its __init__'s \*\*kwargs on .* or use --strategy=data"):
+        _build(devices, "tests.user_models:unconfigurable_layer_convnet", "digits", n=2, mesh="batch:1,model:2")
+
+
+@pytest.mark.in_process_mesh
 def test_each_split_kernel_holds_one_mth_per_device(devices):
     par, model, optimizer = _build(devices, "alexnet", "synthetic")
     from tf_multigpu.parallel import Parallelism

@@ -343,3 +343,24 @@ def strided_one_pool_convnet(input_shape, num_classes, **_):
     x = L.GlobalAveragePooling2D(name="pool")(x)
     return keras.Model(inputs, L.Dense(num_classes, name="logits")(x))
 
+
+
+class _Scale(keras.layers.Layer):
+    """A user's layer whose __init__ takes no **kwargs: Keras' config of it holds 'trainable' and
+    'dtype' beside its own argument, which its __init__ refuses."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    def call(self, x):
+        return x * self.k
+
+
+def unconfigurable_layer_convnet(input_shape, num_classes, **_):
+    """Trains on one device and data parallel; model parallelism, which makes each layer again
+    from its config to place it, cannot make _Scale again."""
+    images = keras.Input(input_shape)
+    x = _Scale(2.0)(keras.layers.Conv2D(8, 3, activation="relu")(images))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(images, keras.layers.Dense(num_classes)(x))

@@ -37,7 +37,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tf_multigpu.compat import all_layers, keras_name_scope_path
-from tf_multigpu.errors import UsageError
+from tf_multigpu.errors import UsageError, error_reason
 from tf_multigpu.parallel import split_layers, split_layers_modern
 from tf_multigpu.parallel.layouts import UNSPLIT
 from tf_multigpu.parallel.lean_batchnorm import lean_batch_norm
@@ -284,6 +284,15 @@ class DTensorParallelism:
         def convert(layer):
             if isinstance(layer, keras.Model):   # nested models are cloned layer by layer (recursive)
                 return layer
+            try:
+                return convert_layer(layer)
+            except (TypeError, ValueError, NotImplementedError) as e:   # a user's layer without a usable config
+                raise UsageError(f"layer {layer.name} ({type(layer).__name__}) cannot be made again from its "
+                                 f"get_config() ({error_reason(e)}), which model parallelism does to place it: "
+                                 "pass its __init__'s **kwargs on to super().__init__ and give it a get_config() "
+                                 "that returns its own arguments, or use --strategy=data") from None
+
+        def convert_layer(layer):
             placed = plan[layer.name]
             gathers_logits = (placed is plan.layers[-1] and plan.output_layout == CHANNELS
                               and keras.config.floatx() == "float64")
