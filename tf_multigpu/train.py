@@ -53,7 +53,7 @@ def main(argv):
             devices = configure_devices(1 if cfg.strategy == "single" else cfg.num_devices, cfg.cpu_devices,
                                         cfg.device_memory_limit, cfg.logical_gpus)
         cfg, source, prediction = _resolve_auto(cfg, devices)
-        summary = _train_or_report_oom(train, cfg, devices, runtime, source=source, prediction=prediction)
+        summary = _train_with_one_line_errors(train, cfg, devices, runtime, source=source, prediction=prediction)
         if runtime is not None:   # no worker leaves while another's last collective needs it
             from tf_multigpu.compat import wait_for_all_tasks
             wait_for_all_tasks("tf_multigpu/run_finished", max(cfg.peer_timeout, 600))
@@ -85,7 +85,7 @@ def _resolve_auto(cfg, devices):
     return cfg, source, prediction
 
 
-def _train_or_report_oom(train, cfg, devices, runtime, **kwargs):
+def _train_with_one_line_errors(train, cfg, devices, runtime, **kwargs):
     """train(), with the runtime's out-of-memory error turned into DoesNotFit (one line), and
     the errors of a full disk and of an image damaged past the checks the folder source makes
     up front (data/folder.py) turned into UsageError (one line)."""

@@ -10,8 +10,11 @@ input pipeline), it times:
   * `--strategy=data` on 2 and 4 devices against Keras `model.fit` under the same
     MirroredStrategy.
 Each pair runs `--repeats` times, alternating, and the table gives the median examples/s and
-our ratio to the baseline (> 1: we are faster). The first `--warmup` steps (tracing) are not
-timed. Logical CPUs share the same cores: this measures overhead, not multi-device speedup.
+our ratio to the baseline (> 1: we are faster). The baselines leave the first `--warmup` steps
+(tracing) untimed and time `--steps`; our loop's examples/s (summary.json's) leaves out its first
+window of 10 steps, where it traces, and times the other warmup - 10 + steps: the same rate,
+over a few more steps where --warmup > 10. Logical CPUs share the same cores: this measures
+overhead, not multi-device speedup.
 """
 
 import statistics

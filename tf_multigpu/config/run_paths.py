@@ -1,5 +1,6 @@
 """Where a run's files live under --run_dir: the one definition of the layout, shared by
-training, export and the tools (training/run_dir.py does the reading and writing).
+training, export and the tools (training/run_dir.py restores, locks and writes; the rules for
+an earlier run's directory and the atomic writer are config/config.py's).
 
 Layout: config.json, checkpoints/, tensorboard/, summary.json, export/, and with
 --profile_steps comm_report.json and comm_report.md; while a run trains, .training.lock

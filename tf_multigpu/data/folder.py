@@ -244,13 +244,14 @@ def _jpeg_has_end(path) -> bool:
     """Whether the JPEG at `path` has an end-of-image marker (FF D9) after its first scan starts.
 
     For JPEGs that do not end with one: Motion Photos append a video after the image, some
-    cameras a trailer of their own (megabytes, that tf.io.decode_image ignores). A bounded tail
-    window would miss the marker before a long appendix, and a search from the start would find
-    the end of an EXIF thumbnail (a whole JPEG inside the APP1 segment) in a truncated photo.
-    So the header's segments are skipped by their lengths up to the start of scan (SOS); past
-    it, the compressed data stuffs every FF byte (FF 00) and only restart markers (FF D0-D7)
-    occur, so the first FF D9 is the image's end, and a truncated file has none. The file is
-    read up to that marker, not past it: the appended data is not read."""
+    cameras a trailer of their own (megabytes, that tf.io.decode_image ignores). A search from
+    the start would find the end of an EXIF thumbnail (a whole JPEG inside the APP1 segment) in
+    a truncated photo. So the header's segments are skipped by their lengths up to the start of
+    scan (SOS); past it, the compressed data stuffs every FF byte (FF 00) and only restart
+    markers (FF D0-D7) occur, so any FF D9 is the image's end, and a truncated file has none.
+    The file's last _TAIL bytes are searched first (a phone's short trailer); only where they
+    hold no marker (a long appendix, or a truncated file) is the file read from its scan on, up
+    to the first marker."""
     try:
         with open(path, "rb") as f:
             f.seek(2)                                      # past SOI (FF D8)

@@ -1,8 +1,8 @@
 """How fast the input pipeline alone makes images, and whether training outruns it.
 
 `images_per_sec` times a dataset by itself (no model), after a warm-up that fills tf.data's
-buffers and autotuner. `InputCheck` does that once before training, for the rows this process
-reads, and compares it with what the first timed training window consumed: if the pipeline
+buffers and autotuner. `InputCheck` does that once, between two training windows, for the
+rows this process reads, and compares it with what the first timed window consumed: if the pipeline
 alone is barely faster than the training, the devices are (or soon will be) waiting for data,
 and the log says so once. tools/input_throughput.py makes the same comparison per source.
 """

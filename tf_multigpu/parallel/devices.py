@@ -1,7 +1,8 @@
 """Finding the devices a run uses, and making logical CPU devices where there are no GPUs.
 
 Logical devices must be configured before TensorFlow initialises its runtime, so the entry
-point calls `configure_devices` first thing. Logical CPU devices exist so that every strategy
+point calls `configure_devices` before anything runs an op (after the flag checks and
+TensorFlow's quiet start, which create no device). Logical CPU devices exist so that every strategy
 runs and is tested on any machine; they share the same cores, so they show overhead and
 correctness, never speedup.
 """
