@@ -35,7 +35,8 @@ SAVED_MODEL_FILE = "saved_model.pb"   # what marks a directory as an export (che
 # What an export writes (a SavedModel, and export/saved_model.py's extras): anything else in an
 # earlier export is a user's, which check_export_dir will not let the replacement delete.
 EXPORT_ENTRIES = (SAVED_MODEL_FILE, "fingerprint.pb", "variables", "assets", "assets.extra")
-EXPORT_EXTRAS = ("metadata.json", "model.keras")
+EXPORT_METADATA, EXPORT_KERAS = "metadata.json", "model.keras"   # in assets.extra: export/saved_model.py's names
+EXPORT_EXTRAS = (EXPORT_METADATA, EXPORT_KERAS)
 MODELS = ("alexnet", "small_convnet")   # models.REGISTRY's names (models/ imports Keras; a test pins both)
 
 BATCHNORMS = ("sync", "per_replica")

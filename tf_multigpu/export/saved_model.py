@@ -30,15 +30,16 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tf_multigpu.config.config import check_export_dir
+from tf_multigpu.config.config import EXPORT_KERAS, EXPORT_METADATA, check_export_dir
 from tf_multigpu.data.source import ImageSource
 from tf_multigpu.errors import UsageError
 
 SIGNATURE = "serving_default"
 FLOAT_SIGNATURE = "serving_float"
 INPUT_NAME = "images"
-METADATA_FILE = os.path.join("assets.extra", "metadata.json")   # TF Serving's place for extras
-KERAS_FILE = os.path.join("assets.extra", "model.keras")
+# TF Serving's place for extras; config.EXPORT_EXTRAS lists them, for check_export_dir
+METADATA_FILE = os.path.join("assets.extra", EXPORT_METADATA)
+KERAS_FILE = os.path.join("assets.extra", EXPORT_KERAS)
 
 
 def export_saved_model(model: keras.Model, source: ImageSource, export_dir: str, metadata: dict,
