@@ -36,6 +36,9 @@ def test_inbound_layer_names_and_producer_name_read_the_functional_graph():
     assert compat.inbound_layer_names(model.get_layer("sum")) == [["a", "b"]]
     assert compat.inbound_layer_names(model.get_layer("a")) == [["pixels"]]
     assert compat.producer_name(out) == "sum" and compat.producer_name(x) == "pixels"
+    operation, node = compat.producer(out)
+    assert operation.name == "sum" and [t is a or t is b for t in node.input_tensors] == [True, True]
+    assert compat.producer(keras.ops.ones((2,))) is None   # a concrete tensor
 
 
 def test_elementwise_op_tells_keras_ops_that_act_on_each_value_alone():
@@ -167,6 +170,9 @@ def test_gpu_memory_limits_lists_no_gpu_on_this_cpu_only_machine():
 # -- no private name outside compat.py -------------------------------------------------------
 
 _PRIVATE_MODULES = ("tensorflow.python", "tensorflow.compiler", "tensorflow.core", "tensorflow.tsl", "keras.src")
+# Private members of Keras' graph objects, reached from a layer or tensor variable (which the
+# alias rule cannot see), or by name through getattr.
+_KERAS_GRAPH_PRIVATES = ("_keras_history", "_inbound_nodes", "_outbound_nodes", "_keras_mask")
 
 
 def _sources():
@@ -206,6 +212,9 @@ def private_uses(path: str, text: str) -> list:
     tree = ast.parse(text)
     aliases = _tf_aliases(tree)
     for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in _KERAS_GRAPH_PRIVATES) or (
+                isinstance(node, ast.Constant) and node.value in _KERAS_GRAPH_PRIVATES):
+            found.append(f"{path}:{node.lineno}: Keras' {getattr(node, 'attr', None) or node.value}")
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             root = _root(node.value)
             if isinstance(root, ast.Name) and root.id in aliases:
@@ -246,6 +255,7 @@ def _tf_bases(tree, cls: ast.ClassDef, aliases: set) -> list:
 
 def test_the_scan_catches_each_kind_of_private_use():
     assert private_uses("x.py", "from tensorflow.python.client import device_lib\n")
+    assert private_uses("x.py", "def f(layer, t):\n    return layer._inbound_nodes, getattr(t, '_keras_history')\n")
     assert private_uses("x.py", "import tensorflow as tf\ntf.distribute.MirroredStrategy._collective_key_base += 1\n")
     assert private_uses("x.py", "import tensorflow as tf\ntf.profiler.experimental.Trace('t', _r=1)\n")
     assert private_uses("x.py", "import keras\nclass O(keras.optimizers.SGD):\n    def _hook(self):\n"

@@ -92,6 +92,16 @@ def producer_name(tensor) -> str:
     return tensor._keras_history.operation.name
 
 
+def producer(tensor):
+    """(the operation that produced a symbolic Keras tensor, the node of that call: its
+    `input_tensors`), or None for a tensor that has no producer. Same reason as
+    `producer_name`; the node is found by the private `_inbound_nodes` too."""
+    history = getattr(tensor, "_keras_history", None)
+    if history is None:
+        return None
+    return history.operation, history.operation._inbound_nodes[history.node_index]
+
+
 # -- Keras optimizers ------------------------------------------------------------------------
 
 def optimizer_variable_index(optimizer, variable) -> int:

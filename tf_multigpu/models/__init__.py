@@ -19,6 +19,7 @@ import importlib
 import keras
 from absl import logging
 
+from tf_multigpu import compat
 from tf_multigpu.errors import UsageError
 from tf_multigpu.models.alexnet import alexnet
 from tf_multigpu.models.small_convnet import small_convnet
@@ -123,15 +124,15 @@ def _final_softmax(model):
     """(the model that holds it, the operation, its call's node) for a softmax that makes the
     model's one output, looking into nested models; None if the output is not a softmax."""
     outputs = getattr(model, "outputs", None) or []
-    history = getattr(outputs[0], "_keras_history", None) if len(outputs) == 1 else None
-    if history is None:
+    produced = compat.producer(outputs[0]) if len(outputs) == 1 else None
+    if produced is None:
         return None
-    operation = history.operation
+    operation, node = produced
     if isinstance(operation, keras.Model):
         return _final_softmax(operation)
     activation = getattr(getattr(operation, "activation", None), "__name__", None)
     if activation in _SOFTMAX_NAMES or _is_softmax_op(operation):
-        return model, operation, operation._inbound_nodes[history.node_index]   # Keras 3: the call's node
+        return model, operation, node
     return None
 
 
