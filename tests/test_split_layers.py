@@ -1,4 +1,4 @@
-"""Layers on channel-split activations (split_layers_modern) equal the stock Keras layer on one
+"""Layers on channel-split activations (split_layers, windows) equal the stock Keras layer on one
 device: forward output, input gradient, weight gradients (and BatchNorm's moving statistics),
 on 1x2 and 2x2 DTensor meshes, with the variables laid out by the class's VARIABLE_SPECS. The
 output must keep its expected layout, and on 1x2 (where any collective is a `model` one) the
@@ -17,7 +17,8 @@ from tensorflow.experimental import dtensor
 from tests.launcher import run_code
 from tf_multigpu import compat
 from tf_multigpu.errors import UsageError
-from tf_multigpu.parallel import split_layers_modern as M
+from tf_multigpu.parallel import split_layers as M
+from tf_multigpu.parallel import windows as W
 from tf_multigpu.parallel.placement import ELEMENTWISE
 from tf_multigpu.profiling import xspace
 
@@ -290,9 +291,9 @@ def test_inputs_no_window_reads_get_a_zero_gradient():
     the stock ops', even where dy is inf (a phase made as `phase * 0.0` was NaN there)."""
     x = tf.constant(_x((1, 7, 7, 2)))
     dy = tf.fill([1, 4, 4, 2], float("inf"))
-    for mine, stock in ((lambda t: M.window_sum(t, None, (1, 1), (2, 2), "same"),
+    for mine, stock in ((lambda t: W.window_sum(t, None, (1, 1), (2, 2), "same"),
                          lambda t: tf.nn.avg_pool2d(t, 1, 2, "SAME")),
-                        (lambda t: M.window_max(t, (1, 1), (2, 2), "same"),
+                        (lambda t: W.window_max(t, (1, 1), (2, 2), "same"),
                          lambda t: tf.nn.max_pool2d(t, 1, 2, "SAME"))):
         got = []
         for pool in (mine, stock):
@@ -344,7 +345,7 @@ def test_grouped_conv_backward_keeps_its_input_not_its_taps():
 _WINDOW_PEAK = """
 import json, sys
 import tensorflow as tf
-from tf_multigpu.parallel import split_layers_modern as M
+from tf_multigpu.parallel import windows as W
 kind, stride = sys.argv[1], int(sys.argv[2])
 x = tf.Variable(tf.random.normal([8, 24, 24, 64]))
 kernel = tf.Variable(tf.random.normal([3, 3, 16, 64] if kind == "grouped" else [3, 3, 64, 1]))
@@ -352,15 +353,15 @@ kernel = tf.Variable(tf.random.normal([3, 3, 16, 64] if kind == "grouped" else [
 @tf.function
 def step():
     if kind == "depthwise-eval":   # the eval step's forward: unrolled, no while loop
-        with M.taps_unrolled():
-            return [M.depthwise_conv2d(x * 1.0, kernel, (stride, stride), "same")]
+        with W.taps_unrolled():
+            return [W.depthwise_conv2d(x * 1.0, kernel, (stride, stride), "same")]
     with tf.GradientTape() as tape:
         if kind == "depthwise":
-            y = M.depthwise_conv2d(x * 1.0, kernel, (stride, stride), "same")
+            y = W.depthwise_conv2d(x * 1.0, kernel, (stride, stride), "same")
         elif kind == "grouped":   # 4 groups of 16 channels, 64 filters
-            y = M.grouped_conv2d(x * 1.0, kernel, 4, (stride, stride), "same")
+            y = W.grouped_conv2d(x * 1.0, kernel, 4, (stride, stride), "same")
         else:
-            y = M.window_sum(x * 1.0, None, (3, 3), (stride, stride), "valid")
+            y = W.window_sum(x * 1.0, None, (3, 3), (stride, stride), "valid")
         loss = tf.reduce_sum(y * y)
     return tape.gradient(loss, [x, kernel])
 

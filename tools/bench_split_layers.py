@@ -1,4 +1,4 @@
-"""fwd+bwd time of the split-aware layers (parallel/split_layers*.py) against the stock
+"""fwd+bwd time of the split-aware layers (parallel/split_layers.py) against the stock
 Keras layer on one device, at MobileNetV2 / ResNet(-X) / Xception-like shapes.
 
     python -m tools.bench_split_layers                 # batch 16, best of 7, interleaved
@@ -71,7 +71,7 @@ def main(argv):
     import tensorflow as tf
     from tensorflow.experimental import dtensor
 
-    from tf_multigpu.parallel import split_layers_modern as M
+    from tf_multigpu.parallel import split_layers as M
 
     U = dtensor.UNSHARDED
     meshes = {f"{b}x{m}": dtensor.create_mesh([("batch", b), ("model", m)],

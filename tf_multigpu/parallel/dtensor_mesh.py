@@ -38,7 +38,7 @@ from tensorflow.experimental import dtensor
 
 from tf_multigpu.compat import all_layers, keras_name_scope_path
 from tf_multigpu.errors import UsageError, error_reason
-from tf_multigpu.parallel import split_layers, split_layers_modern
+from tf_multigpu.parallel import split_layers
 from tf_multigpu.parallel.layouts import UNSPLIT
 from tf_multigpu.parallel.lean_batchnorm import lean_batch_norm
 from tf_multigpu.parallel.placement import CHANNELS, PlacementPlan, make_plan
@@ -302,7 +302,7 @@ class DTensorParallelism:
             impl = placed.impl
             if impl.endswith("WholeGroupedConv2D") and self.mesh.device_type() != "CPU":
                 # A whole grouped convolution runs as window_sum only where TensorFlow's kernels
-                # have no gradient for it, on CPUs (split_layers_modern.WholeGroupedConv2D).
+                # have no gradient for it, on CPUs (split_layers.WholeGroupedConv2D).
                 impl = f"Gather{type(layer).__name__}" if impl.startswith("Gather") else ""
             if impl:
                 new = _implementation(impl, type(layer)).from_config(layer.get_config())
@@ -367,16 +367,16 @@ def _unnumbered(name: str) -> str:
 
 
 def _implementation(name: str, stock: type) -> type:
-    """The split-aware class the plan names: one of `split_layers(_modern)`, or, for a layer
-    that needs its whole input ("Gather<Class>": Conv2D, Dense, Flatten...), the stock class
-    after a named gather."""
-    cls = getattr(split_layers, name, None) or getattr(split_layers_modern, name, None)
+    """The split-aware class the plan names: one of `split_layers`', or, for a layer that needs
+    its whole input ("Gather<Class>": Conv2D, Dense, Flatten...), the stock class after a named
+    gather."""
+    cls = getattr(split_layers, name, None)
     if cls is not None:
         return cls
     if name == f"Gather{stock.__name__}" and issubclass(stock, keras.layers.Layer):
         return type(name, (split_layers.GatherFirst, stock), {})
-    if name.startswith("Gather") and hasattr(split_layers_modern, name[len("Gather"):]):   # e.g. a whole grouped conv
-        return type(name, (split_layers.GatherFirst, getattr(split_layers_modern, name[len("Gather"):])), {})
+    if name.startswith("Gather") and hasattr(split_layers, name[len("Gather"):]):   # e.g. a whole grouped conv
+        return type(name, (split_layers.GatherFirst, getattr(split_layers, name[len("Gather"):])), {})
     raise UsageError(f"the placement plan asks for {name}, which this version does not have: "
                      "replicate the layer before it (--layout=fc_only or a --layout_rules rule)")
 

@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_multigpu.parallel.split_layers_modern import one_after
+from tf_multigpu.parallel.windows import one_after
 
 
 class LeanBatchNormalization(keras.layers.BatchNormalization):

@@ -145,7 +145,7 @@ def transient_elems(plan: PlacementPlan, layer) -> int:
     return out + activation + dx + _depthwise_elems(plan, layer) + _window_elems(plan, layer)
 
 
-# The split-aware layers that run as window_sum (split_layers_modern.py), and the input-sized
+# The split-aware layers that run as window_sum (parallel/windows.py), and the input-sized
 # tensors beside dy and dx that its backward holds at once (`_window_elems`).
 _WINDOW_SUM = {"SplitDepthwiseConv2D": 2, "SplitSeparableConv2D": 2, "FilterSplitSeparableConv2D": 2,
                "SliceAvgPool2D": 2, "SplitGroupedConv2D": 9,

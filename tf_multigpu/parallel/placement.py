@@ -20,7 +20,7 @@ Implementations. A layer runs its stock Keras class, or a split-aware twin from
                    all-gather over `model`, then the stock layer (GatherConcatenate for a
                    concatenation of split channels)
   SlicePool2D, SliceAvgPool2D, SplitDepthwiseConv2D, SplitGroupedConv2D
-                   run on CHANNELS without communication (`split_layers_modern.py`); their
+                   run on CHANNELS without communication (`split_layers.py`); their
                    variables follow the channels (each class's VARIABLE_SPECS)
   SplitSeparableConv2D
                    on split channels: depthwise part local, pointwise partial sums
@@ -77,7 +77,7 @@ import numpy as np
 from tf_multigpu.compat import elementwise_op, inbound_layer_names, op_call_shapes, per_channel_layers, producer_name
 from tf_multigpu.errors import UsageError
 from tf_multigpu.parallel.layouts import UNSPLIT, NotDividing, assign_specs, keep_whole, whole_rule
-from tf_multigpu.parallel.split_layers_modern import (
+from tf_multigpu.parallel.split_layers import (
     MERGES,
     SPLIT_AWARE,
     STOCK_VARIABLE_SPECS,

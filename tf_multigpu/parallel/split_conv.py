@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["CHUNK_BYTES", "row_chunks", "split_conv2d"]
+__all__ = ["CHUNK_BYTES", "row_chunks", "same_pads", "split_conv2d", "zero_from"]
 
 
 def same_pads(n: int, k: int, s: int) -> tuple[int, int]:

@@ -238,7 +238,7 @@ def from_dtensor_graph_def(graph_def, global_batch: int = 0, weight_shapes=froze
         payload = int(np.prod(shape)) * dtype.size if shape is not None else 0
         name = node.name.removeprefix("tf.StatefulPartitionedCall/")
         # A custom gradient's own name scope (a relayout's "activation_gradients",
-        # split_layers_modern.relayout_activations; split_conv's) is not under "gradient_tape".
+        # split_layers.relayout_activations; split_conv's) is not under "gradient_tape".
         backward = "gradient_tape" in name or "/activation_gradients/" in f"/{name}"
         found.append(CollectiveOp(name, op, _kind(shape, specs, op, dtype, global_batch, weight_shapes), payload,
                                 group, forward=not backward and not packed, op_type=node.op))

@@ -7,7 +7,7 @@ and sums the returned scalars over replicas; means are formed from sums and coun
 import keras
 import tensorflow as tf
 
-from tf_multigpu.parallel.split_layers_modern import taps_unrolled
+from tf_multigpu.parallel.windows import taps_unrolled
 
 # What every step returns: float32 scalars, summed over replicas (and steps) by the loop.
 SCALARS = ("loss_sum", "correct", "count")
@@ -50,7 +50,7 @@ def make_eval_step(model):
 
     def eval_step(images, labels, weights):
         # No while loops: DTensor may give this function's loops the names of the train
-        # step's (split_layers_modern.taps_unrolled).
+        # step's (windows.taps_unrolled).
         with taps_unrolled():
             logits = _loss_precision(model(images, training=False))
         per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
