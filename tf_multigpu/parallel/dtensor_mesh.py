@@ -1,11 +1,13 @@
 """`--strategy=model` and `--strategy=hybrid` on a DTensor mesh of ("batch", B) x ("model", M).
 
-The model is the user's plain Keras model, converted by the layout policy: its variables
-become DVariables laid out by (path regex -> spec) rules, and the layers whose inputs or
-kernels are split on `model` are swapped for the equivalents in `split_layers` (same weights,
-same names). The step is the single-replica step of every strategy, run once on the global
-batch: DTensor computes it SPMD on every device, batch-sharded on `batch` (the data-parallel
-groups) and split on `model` inside each group. With `batch_on_model` (the
+The model is the user's plain Keras model, cloned layer by layer as its placement plan
+(placement.make_plan: the layout policy's (path regex -> spec) rules, checked against the
+model's graph) says: its variables become DVariables with the plan's layouts, and the layers
+whose inputs or kernels are split on `model` are swapped for the equivalents in `split_layers`
+(same weights, same names; `_converter` sets their mesh). The step is the single-replica
+step of every strategy, run once on the global batch: DTensor computes it SPMD on every
+device, batch-sharded on `batch` (the data-parallel groups) and split on `model` inside each
+group. With `batch_on_model` (the
 conv_data_fc_model layout, mesh 1 x N) the input batch is sharded on `model` instead: layers
 with replicated kernels run data parallel over all N devices (DTensor sums their weight
 gradients over `model` by itself) until the first layer that gathers its input, which
