@@ -27,6 +27,13 @@ def _window(crop):
     return rows[0], cols[0], mirrored
 
 
+def test_the_config_knows_the_augment_names():
+    """The config refuses an unknown --augment before TensorFlow starts, from its own list."""
+    from tf_multigpu.config.config import AUGMENTS
+    from tf_multigpu.data.augment import AUGMENTS as SUPPORTED
+    assert AUGMENTS == SUPPORTED
+
+
 def test_training_crops_are_random_224_windows_mirrored_at_random_and_stateless():
     image = _coordinates(256, 300)           # shorter side already 256: the resize is the identity
     np.testing.assert_array_equal(resize_shorter(image, 256), image)
