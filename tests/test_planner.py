@@ -345,6 +345,14 @@ def test_plan_cli_prints_and_writes_the_table(tmp_path):
     assert saved["profile"]["name"] == "titan_pcie3"
 
 
+def test_plan_cli_measures_this_machines_devices():
+    """The README's measured plan: it failed on every run ("TensorFlow started with 1 CPU
+    devices before 2 could be made"), the model built before the devices were made."""
+    done = _plan_cli("--model=small_convnet", "--cpu_devices=2", "--batch_size=64")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| data x2 |" in done.stdout and "Profile measured:" in done.stdout and "2 x /device:CPU:0" in done.stdout
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--profile=nope"], "--profile=nope: no such profile"),
     (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
@@ -359,6 +367,17 @@ def test_plan_cli_bad_input_is_one_line_exit_2(flags, needle):
     assert done.returncode == USAGE_ERROR, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("tf-multigpu-plan: error:")]
     assert len(errors) == 1 and needle in errors[0] and done.stderr.rstrip().endswith(errors[0])
+
+
+def test_a_plan_training_would_refuse_for_its_batch_is_not_offered():
+    """conv_data_fc_model splits the global batch over the model axis: at 255 on 4 devices
+    --strategy=auto chose it and training refused it ("does not divide by the 4 devices")."""
+    from tests.user_models import tiny
+    table = planner.plan_table(planner.analyze(tiny((8, 8, 1), 10)), _profile(), 4, 255)
+    refused = {p.label: p.error for p in table.skipped}
+    assert refused["model 1x4 conv_data_fc_model"] == "global batch 255 does not divide by the 4 devices " \
+                                                       "conv_data_fc_model splits it over"
+    assert {p.label for p in table.plans} == {"single", "model 1x4 filter_split", "model 1x4 fc_only"}
 
 
 def test_the_planner_takes_layout_overrides():

@@ -88,14 +88,16 @@ def _plan():
             raise UsageError("--cpu_devices applies to --profile=measure only: drop it or measure")
         profile = planner.load(FLAGS.profile)
     cli.start_tensorflow()
+    devices = None
+    if profile is None:   # before anything runs an op: logical devices cannot be made after
+        from tf_multigpu.parallel import configure_devices
+        devices = configure_devices(FLAGS.num_devices, FLAGS.cpu_devices)
     from tf_multigpu.data import load_source
     from tf_multigpu.models import build_model, get_factory
     get_factory(FLAGS.model)
     source = load_source(FLAGS.dataset, FLAGS.data_dir, FLAGS.image_size)
     model = build_model(FLAGS.model, source.image_shape, source.num_classes)
-    if profile is None:
-        from tf_multigpu.parallel import configure_devices
-        devices = configure_devices(FLAGS.num_devices, FLAGS.cpu_devices)
+    if devices is not None:
         profile = planner.measure_for_run(devices, model, source, FLAGS.batch_size)
         num_devices = len(devices)
     else:

@@ -234,6 +234,9 @@ def predict_plan(cost: ModelCost, profile: DeviceProfile, global_batch: int, str
     plan = Plan(strategy, b, m, layout, group_batch, overrides=overrides)
     if global_batch % b:
         return dataclasses.replace(plan, error=f"global batch {global_batch} does not divide by {b} replicas")
+    if layout in BATCH_ON_MODEL and global_batch % (b * m):   # training refuses it (config/plan_checks.py)
+        return dataclasses.replace(plan, error=f"global batch {global_batch} does not divide by the {b * m} devices "
+                                               f"{layout} splits it over")
     try:
         layers = placement(cost, layout or None, {"batch": b, "model": m}, overrides)
     except UsageError as e:
@@ -384,8 +387,10 @@ def to_markdown(table: PlanTable) -> str:
     """The ranked table, with the profile and assumptions it rests on."""
     p = table.profile
     lines = [
-        (f"# Plans for {table.model_name}, global batch {table.global_batch}, {table.num_devices} devices, "
-         f"profile {p.name}"),
+        (f"# Plans for {table.model_name}, global batch {table.global_batch}, {table.num_devices} "
+         f"device{'s' if table.num_devices != 1 else ''}, profile {p.name}"
+         + (f" (which describes {p.num_devices}: its other figures are per device)"
+            if p.num_devices and p.num_devices != table.num_devices else "")),
         "",
         ("| rank | plan | flags | step ms | compute ms | activation comm ms | gradient comm ms | comm MiB/device "
          "| memory MiB/device | fits | binding | speedup |"),
@@ -423,8 +428,9 @@ def to_markdown(table: PlanTable) -> str:
          f"{gradient_algorithm(p, 'data', a.all_reduce)} (data parallel; {p.all_reduce} otherwise), activations "
          f"gathered by {p.activation_gather}, on a {p.topology} topology (planner/comm.py); "
          f"FLOPs of convolutions and dense layers (2 per multiply-add) and pooling only; split convolutions "
-         f"cost {p.split_conv_overhead or a.split_conv_overhead:.3g}x their FLOPs; a plan fits if parameters + "
-         f"gradients + momentum + activations <= {a.memory_fraction:g} x device memory. Speedup is against "
+         f"cost {p.split_conv_overhead or a.split_conv_overhead:.3g}x their FLOPs; a plan fits if its memory per "
+         f"device (parallel/memory.py: parameters, gradients, momentum, activations, input, backward "
+         f"transient, update and all-reduce buffers) <= {a.memory_fraction:g} x device memory. Speedup is against "
          f"`single` on one device of the same profile."),
     ]
     return "\n".join(lines) + "\n"
