@@ -126,7 +126,7 @@ a line of our own
 ])
 def test_start_up_logging_is_filtered_to_the_log_level(monkeypatch, capfd, level, ours, expected):
     from tf_multigpu import cli
-    monkeypatch.setattr(cli, "_nvidia_device_present", lambda: False)
+    monkeypatch.setattr(cli, "nvidia_device_present", lambda: False)
     with cli._stderr_filtered(lambda line: cli._shown(line, level, ours)):
         os.write(2, _NO_GPU_STARTUP.encode())
     shown = capfd.readouterr().err.splitlines()
@@ -135,7 +135,7 @@ def test_start_up_logging_is_filtered_to_the_log_level(monkeypatch, capfd, level
 
 def test_cuinit_failing_with_an_nvidia_device_is_shown(monkeypatch):
     from tf_multigpu import cli
-    monkeypatch.setattr(cli, "_nvidia_device_present", lambda: True)
+    monkeypatch.setattr(cli, "nvidia_device_present", lambda: True)
     assert cli._shown("E0000 00:00:1.0 1 cuda_platform.cc:52] failed call to cuInit: INTERNAL\n", 2, True)
 
 

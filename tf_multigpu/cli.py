@@ -25,6 +25,8 @@ import tempfile
 
 from absl import flags
 
+from tf_multigpu.errors import DoesNotFit, UsageError
+
 USAGE_ERROR = 2
 DOES_NOT_FIT = 3   # out of device memory: tools/max_batch.py's search reads it
 
@@ -38,6 +40,18 @@ _SEVERITY = "IWEF"
 _OURS = "TF_MULTIGPU_QUIET"   # "1": TF_CPP_MIN_LOG_LEVEL is our default, not the user's
 _HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "--helpfull", "--helpxml")   # absl's
 _PRE_INIT_BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+
+
+def refuse_earlier_results(flag: str, directory: str, names) -> None:
+    """Refuses an output directory a tool would write `names` into where one of them exists
+    already: running a tool again into the same directory replaced an earlier run's tables,
+    plots and runs without a word (UsageError, one line)."""
+    if os.path.isfile(directory):
+        raise UsageError(f"{flag}={directory} is a file: give a directory")
+    found = [name for name in names if os.path.exists(os.path.join(directory, name))]
+    if found:
+        raise UsageError(f"{flag}={directory} holds an earlier run's results ({', '.join(found)}): give a new "
+                         f"{flag}, or move them out first")
 
 
 def fail(prog: str, message: str, status: int = USAGE_ERROR):
@@ -58,7 +72,10 @@ def run(main, prog: str, flag_names=()) -> None:
 
     def main_with_logging(argv):
         configure_logging(flags.FLAGS.verbose)
-        return main(argv)
+        try:
+            return main(argv)
+        except UsageError as e:   # a tool's bad input, found past its own checks: one line, not a trace
+            fail(prog, str(e), DOES_NOT_FIT if isinstance(e, DoesNotFit) else USAGE_ERROR)
 
     try:
         app.run(main_with_logging, flags_parser=flags_parser(prog))
@@ -145,10 +162,10 @@ def _shown(line: str, level: int, ours: bool) -> bool:
         return True
     if _SEVERITY.index(found.group(1)) < level:
         return False
-    return not (ours and "failed call to cuInit" in line and not _nvidia_device_present())
+    return not (ours and "failed call to cuInit" in line and not nvidia_device_present())
 
 
-def _nvidia_device_present() -> bool:
+def nvidia_device_present() -> bool:
     return os.path.exists("/dev/nvidia0") or os.path.exists("/proc/driver/nvidia")
 
 

@@ -22,7 +22,9 @@ import time
 from absl import flags, logging
 
 from tf_multigpu import cli
-from tf_multigpu.config.workload_flags import define_workload_flags
+from tf_multigpu.config.config import AUGMENTS
+from tf_multigpu.config.workload_flags import check_workload_flags, define_workload_flags
+from tf_multigpu.errors import UsageError
 
 PROG = "input_throughput"
 _WORKLOAD = define_workload_flags(("model", "image_size", "batch_size", "data_dir"), image_size=32)
@@ -77,12 +79,41 @@ def step_images_per_sec(source, devices):
     return steps * cfg.batch_size / (time.perf_counter() - start)
 
 
+# Classes of the written folder, and the images each needs for the stratified held-out tenth.
+_FOLDER_CLASSES, _PER_CLASS = 10, 10
+
+
+def check_flags():
+    """What the flags alone decide, before TensorFlow starts (UsageError, one line)."""
+    check_workload_flags()
+    if FLAGS.cpu_devices < 0:
+        raise UsageError(f"--cpu_devices={FLAGS.cpu_devices} must be >= 0 (0: GPUs)")
+    if FLAGS.seconds <= 0:
+        raise UsageError(f"--seconds={FLAGS.seconds} must be > 0, e.g. --seconds=5")
+    if FLAGS.augment not in AUGMENTS:
+        raise UsageError(f"unknown --augment={FLAGS.augment!r}: choose one of {', '.join(AUGMENTS)}")
+    unknown = [s for s in FLAGS.sources if s not in ("digits", "synthetic", "folder", "tfds")]
+    if unknown or not FLAGS.sources:
+        raise UsageError(f"--sources={','.join(FLAGS.sources)}: choose from digits, synthetic, folder, tfds")
+    if "folder" in FLAGS.sources and not FLAGS.folder:
+        shape = FLAGS.folder_shape
+        if len(shape) != 2 or not all(v.isdigit() and int(v) > 0 for v in shape):
+            raise UsageError(f"--folder_shape={','.join(shape)} must be HEIGHT,WIDTH in pixels, e.g. 375,500")
+        if FLAGS.folder_images < _FOLDER_CLASSES * _PER_CLASS:
+            raise UsageError(f"--folder_images={FLAGS.folder_images}: the written folder needs at least "
+                             f"{_FOLDER_CLASSES * _PER_CLASS} ({_PER_CLASS} per class, for its held-out tenth)")
+    if FLAGS.sources == ["digits"] and FLAGS.image_size != 8:
+        raise UsageError(f"--sources=digits times 8x8 images, not --image_size={FLAGS.image_size}: "
+                         "add --image_size=8, or other sources")
+
+
 def main(argv):
     if len(argv) > 1:
         cli.fail(PROG, f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
     if FLAGS.strategy not in ("single", "data"):
         cli.fail(PROG, f"--strategy={FLAGS.strategy}: the input pipeline is timed against a single or data "
                        "parallel step; give --strategy=single or --strategy=data")
+    check_flags()
     logging.set_verbosity(logging.ERROR)
     cli.start_tensorflow()
     from tf_multigpu.parallel import configure_devices
@@ -109,15 +140,13 @@ def main(argv):
                 source = load_source("synthetic", image_size=size)
             elif name == "folder":
                 path = FLAGS.folder or write_jpegs(os.path.join(tmp, "jpegs"), FLAGS.folder_images,
-                                                   tuple(int(v) for v in FLAGS.folder_shape))
+                                                   tuple(int(v) for v in FLAGS.folder_shape), _FOLDER_CLASSES)
                 source = load_source(f"folder:{path}", image_size=size, augment=FLAGS.augment, test_fraction=0.1)
             elif name == "tfds":
                 context = contextlib.nullcontext() if FLAGS.tfds else tfds.testing.mock_data(num_examples=4096)
                 context.__enter__()
                 source = load_source(f"tfds:{FLAGS.tfds or 'imagenet2012'}", FLAGS.data_dir, size,
                                      augment=FLAGS.augment)
-            else:
-                cli.fail(PROG, f"unknown --sources entry {name!r}: choose from digits, synthetic, folder, tfds")
             pipeline = images_per_sec(train_dataset(source, seed=0, global_batch=batch, batch_size=batch),
                                       warmup=3, max_batches=10 ** 6, seconds=FLAGS.seconds)
             shape = tuple(source.image_shape)
