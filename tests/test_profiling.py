@@ -159,6 +159,29 @@ def test_comm_report_tool_rebuilds_the_report(profiled_runs):
     assert "train with --profile_steps=A,B first" in missing.stderr
 
 
+def test_comm_report_reads_only_its_own_run_and_refuses_damaged_files(profiled_runs, tmp_path):
+    """A copy of a run without its trace reported the ORIGINAL run's trace (the absolute path
+    saved in comm_report.json); damaged files were tracebacks."""
+    import shutil
+
+    from tf_multigpu.errors import UsageError
+    from tf_multigpu.profiling import report, xspace
+    copy = str(tmp_path / "copy")
+    shutil.copytree(profiled_runs["model2"], copy)
+    trace = xspace.latest_trace(os.path.join(copy, "tensorboard"))
+    assert report.rebuild(copy)["trace"] == trace   # the copy's own trace, not the original's
+    open(trace, "wb").write(b"not a trace")
+    with pytest.raises(UsageError, match="is not a profiler trace .*: train the run again"):
+        report.rebuild(copy)
+    shutil.rmtree(os.path.join(copy, "tensorboard", "plugins"))
+    with pytest.raises(UsageError, match="holds no profiler trace"):
+        report.rebuild(copy)
+    for damage in ("{}", "garbage {"):
+        open(os.path.join(copy, "comm_report.json"), "w").write(damage)
+        with pytest.raises(UsageError, match="comm_report.json is damaged"):
+            report.rebuild(copy)
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--profile_steps=5,3"], "--profile_steps='5,3' is not A,B with 1 <= A <= B"),
     (["--profile_steps=a"], "is not A,B with 1 <= A <= B"),

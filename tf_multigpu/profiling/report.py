@@ -11,6 +11,7 @@ import json
 
 import tensorflow as tf
 
+from tf_multigpu.errors import UsageError, error_reason
 from tf_multigpu.profiling import collectives as coll
 from tf_multigpu.profiling import xspace
 
@@ -91,13 +92,28 @@ def rebuild(run_dir: str) -> dict:
     """Re-reads RUN_DIR's trace and saved collectives; rewrites and returns the report."""
     from tf_multigpu.config import RunPaths
     paths = RunPaths(run_dir)
-    with open(paths.saved_comm_report()) as f:
-        saved = json.load(f)
-    found = [coll.CollectiveOp(**{k: v for k, v in c.items() if k not in ("moved_bytes", "busiest_sent_bytes")})
-             for c in saved["collectives"]]
-    minimum = {k: t["minimum_bytes"] for k, t in saved["bytes_per_device"].items()}
-    minimum["forward_activation_payload"] = saved["forward_activation_gathers"]["analytic_payload_bytes"]
-    meta = {k: saved[k] for k in ("strategy", "devices", "mesh", "global_batch", "model")}
-    report = build(meta, found, minimum, xspace.latest_trace(paths.tensorboard) or saved["trace"])
+    saved_path = paths.saved_comm_report()
+    try:
+        with open(saved_path) as f:
+            saved = json.load(f)
+        found = [coll.CollectiveOp(**{k: v for k, v in c.items() if k not in ("moved_bytes", "busiest_sent_bytes")})
+                 for c in saved["collectives"]]
+        minimum = {k: t["minimum_bytes"] for k, t in saved["bytes_per_device"].items()}
+        minimum["forward_activation_payload"] = saved["forward_activation_gathers"]["analytic_payload_bytes"]
+        meta = {k: saved[k] for k in ("strategy", "devices", "mesh", "global_batch", "model")}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:   # not JSON, or not the report's
+        raise UsageError(f"{saved_path} is damaged ({type(e).__name__}: {e}): train the run again with "
+                         "--profile_steps=A,B into a new --run_dir") from None
+    # This run's own trace only: the path saved in the report may be another directory's (a
+    # copied run would have reported the original's trace).
+    trace = xspace.latest_trace(paths.tensorboard)
+    if trace is None:
+        raise UsageError(f"{paths.tensorboard} holds no profiler trace (plugins/profile/*/*.xplane.pb): train the "
+                         "run again with --profile_steps=A,B into a new --run_dir")
+    try:
+        report = build(meta, found, minimum, trace)
+    except ValueError as e:   # xspace: "... is not a profiler trace"
+        raise UsageError(f"{error_reason(e)}: train the run again with --profile_steps=A,B into a new "
+                         "--run_dir") from None
     write(report, paths.comm_report)
     return report
