@@ -56,6 +56,17 @@ def test_resume_ends_with_the_weights_of_an_uninterrupted_run(cfg, tmp_path, dev
         np.testing.assert_array_equal(whole[name], resumed[name], err_msg=name)
 
 
+def test_a_finished_run_run_again_keeps_its_training_measurements(cfg, devices):
+    """It trains no step, so it measures none: summary.json's loss and throughput were
+    rewritten as null (a profiled run's communication dropped)."""
+    first = train(cfg, devices[:2])
+    again = train(cfg, devices[:2])
+    for key in ("loss", "accuracy", "examples_per_sec", "step_time_s"):
+        assert again[key] == first[key] is not None, key
+    assert json.load(open(os.path.join(cfg.run_dir, "summary.json")))["loss"] == first["loss"]
+    assert again["test_accuracy"] == first["test_accuracy"]   # evaluated again, on the same weights
+
+
 def test_checkpoint_from_data_parallel_resumes_on_one_device(cfg, tmp_path, devices, capsys):
     train(cfg, devices[:4])
     whole = checkpoint_values(cfg.run_dir)

@@ -11,6 +11,7 @@ single-device, data parallel, and model and hybrid parallel training.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 
@@ -137,6 +138,7 @@ def finish_run(run: Run, writer, results: Results, started: float, prediction=No
         "memory_host_bytes": host_bytes(source.image_shape, cfg.batch_size // run.par.input_shard[1]),
         "skipped_images": len(source.skipped),
     }
+    summary.update(_measured_earlier(run, summary))
     if results.communication:
         report = results.communication
         summary["communication"] = {"mean": report["mean"], "report": run.paths.comm_report + ".md",
@@ -147,6 +149,24 @@ def finish_run(run: Run, writer, results: Results, started: float, prediction=No
     role.write_summary(run.paths, summary)
     role.close()
     return summary
+
+
+# What only training measures: a run that trains no step (resumed at its end) measures none.
+_TRAINING_MEASUREMENTS = ("loss", "accuracy", "examples_per_sec", "step_time_s", "communication")
+
+
+def _measured_earlier(run: Run, summary: dict) -> dict:
+    """The earlier summary's training measurements, where this run trained no step and so has
+    none (a command run again on a finished run): they were rewritten as null, the
+    profiled run's communication dropped."""
+    if run.start_step < run.total_steps or not run.paths:
+        return {}
+    try:
+        with open(run.paths.summary) as f:
+            earlier = json.load(f)
+    except (OSError, ValueError):   # none, or unreadable: nothing to keep
+        return {}
+    return {k: earlier[k] for k in _TRAINING_MEASUREMENTS if summary.get(k) is None and earlier.get(k) is not None}
 
 
 def _plain_copy(run: Run):
