@@ -122,11 +122,19 @@ def builtin_names() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
 
 
+_POSITIVE = ("peak_flops_per_s", "memory_bytes", "link_bandwidth_bytes_per_s", "compute_efficiency")
+_NOT_NEGATIVE = ("link_latency_s", "single_device_flops_per_s", "num_devices", "split_conv_overhead",
+                 "split_conv_replicated", "host_bandwidth_bytes_per_s", "devices_per_switch", "per_op_overhead_s",
+                 "collective_overhead_s", "memory_bandwidth_bytes_per_s",
+                 "single_device_memory_bandwidth_bytes_per_s", "input_images_per_s")
+
+
 def load(name_or_path: str) -> DeviceProfile:
     """A shipped profile by name (e.g. `titan_pcie3`) or a JSON file with the same fields."""
     path = name_or_path if name_or_path.endswith(".json") else os.path.join(PROFILE_DIR, f"{name_or_path}.json")
     if not os.path.isfile(path):
-        raise UsageError(f"--profile={name_or_path}: no such profile; give one of {', '.join(builtin_names())}, "
+        what = "a file, but a profile's path ends in .json" if os.path.isfile(name_or_path) else "no such profile"
+        raise UsageError(f"--profile={name_or_path}: {what}; give one of {', '.join(builtin_names())}, "
                          "a path to a .json profile, or 'measure'")
     try:
         with open(path) as f:
@@ -136,6 +144,14 @@ def load(name_or_path: str) -> DeviceProfile:
     except (OSError, ValueError, TypeError) as e:
         raise UsageError(f"--profile={name_or_path} is not a valid profile ({e}): see "
                          f"{os.path.join(PROFILE_DIR, 'titan_pcie3.json')} for the fields") from None
+    for field in _POSITIVE:   # the step's time divides by them
+        value = getattr(profile, field)
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise UsageError(f"--profile={name_or_path}: {field}={value!r} must be a number > 0: fix the profile")
+    for field in _NOT_NEGATIVE:
+        value = getattr(profile, field)
+        if not isinstance(value, (int, float)) or value < 0:
+            raise UsageError(f"--profile={name_or_path}: {field}={value!r} must be a number >= 0: fix the profile")
     for field, allowed in (("topology", comm.TOPOLOGIES), ("all_reduce", comm.ALGORITHMS),
                            ("activation_gather", comm.ALGORITHMS),
                            ("input_grad_reduce", ("all_reduce", "reduce_scatter"))):
