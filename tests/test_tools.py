@@ -3,6 +3,7 @@ decided before any TensorFlow work (so this file runs in seconds: every command 
 parallel subprocess); and the workload flags mean the same everywhere."""
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -75,3 +76,50 @@ def test_plan_vs_measured_refuses_a_bad_count_before_it_measures(flag, message):
                           text=True, timeout=120)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr.splitlines() == [f"plan_vs_measured: error: {message}"]
+
+
+def _bad_value_cases(root):
+    """(module, args, the one line's needle) for values each tool must refuse in one line."""
+    earlier = os.path.join(root, "earlier")
+    os.makedirs(earlier)
+    for name in ("results.csv", "plan.md"):
+        open(os.path.join(earlier, name), "w").close()
+    a_file = os.path.join(root, "a_file")
+    open(a_file, "w").close()
+    profile = os.path.join(root, "negative.json")
+    with open(os.path.join(REPO, "tf_multigpu", "planner", "profiles", "titan_pcie3.json")) as f:
+        values = {**json.load(f), "peak_flops_per_s": -1}
+    with open(profile, "w") as f:
+        json.dump(values, f)
+    return [
+        ("tools.input_throughput", ["--batch_size=0"], "--batch_size=0 must be >= 1"),
+        ("tools.input_throughput", ["--sources=folder", "--folder_shape=abc"],
+         "--folder_shape=abc must be HEIGHT,WIDTH"),
+        ("tools.input_throughput", ["--sources=folder", "--folder_images=64"], "the written folder needs at least 100"),
+        ("tools.input_throughput", ["--sources=folder", f"--folder={root}/none", "--seconds=1"], "no such directory"),
+        ("tools.benchmark", ["--smoke", f"--out_dir={root}/new", "--repeats=0"], "--repeats=0 must be >= 1"),
+        ("tools.benchmark", ["--smoke", f"--out_dir={earlier}"], "holds an earlier run's results (results.csv)"),
+        ("tools.benchmark", ["--smoke", f"--out_dir={a_file}"], "is a file: give a directory"),
+        ("tools.memory_table", [f"--out={earlier}"], "is a directory: give a file name"),
+        ("tools.memory_table", ["--train_steps=0"], "--train_steps=0 must be >= 1"),
+        ("tools.memory_table", ["--gpus"], "has no NVIDIA GPU"),
+        ("tools.launch_local", ["--timeout=-3", "--", "--steps=1"], "--timeout=-3 must be > 0 seconds"),
+        ("tools.convergence", [f"--out_dir={root}/new", "--batch_size=30", "--configs=single:1,data:4"],
+         "--batch_size=30 does not divide by the 4 replicas of data:4"),
+        ("tf_multigpu.plan_main", [f"--profile={profile}"], "peak_flops_per_s=-1 must be a number > 0"),
+        ("tf_multigpu.plan_main", ["--profile=titan_pcie3", f"--out_dir={earlier}"],
+         "holds an earlier run's results (plan.md)"),
+    ]
+
+
+def test_bad_values_are_one_line_exit_2_and_keep_earlier_results(tmp_path):
+    """Values each tool used to take to a traceback (exit 1), a meaningless run (exit 0) or an
+    earlier run's results replaced without a word."""
+    cases = _bad_value_cases(str(tmp_path))
+    procs = [(case, _start(case[0], *case[1])) for case in cases]
+    for (module, args, needle), proc in procs:
+        out, err = proc.communicate(timeout=300)
+        lines = [line for line in err.splitlines() if ": error: " in line]
+        assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], (module, args, err[-1500:])
+        assert err.rstrip().endswith(lines[0]), (module, args, err[-1500:])
+    assert sorted(os.listdir(tmp_path / "earlier")) == ["plan.md", "results.csv"]

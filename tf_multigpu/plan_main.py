@@ -79,8 +79,8 @@ def _plan():
     from tf_multigpu import planner
     if FLAGS.all_reduce not in ALL_REDUCE:
         raise UsageError(f"unknown --all_reduce={FLAGS.all_reduce!r}: choose one of {', '.join(ALL_REDUCE)}")
-    if FLAGS.out_dir and os.path.exists(FLAGS.out_dir) and not os.path.isdir(FLAGS.out_dir):
-        raise UsageError(f"--out_dir={FLAGS.out_dir} is a file: give a directory for plan.md and plan.json")
+    if FLAGS.out_dir:
+        cli.refuse_earlier_results("--out_dir", FLAGS.out_dir, ("plan.md", "plan.json"))
     overrides = parse_rules(FLAGS.layout_overrides, "--layout_overrides")
     profile = None
     if FLAGS.profile != "measure":

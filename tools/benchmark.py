@@ -82,7 +82,10 @@ def settings_from_flags() -> dict:
             raise UsageError(f"--{mode} sets its own configurations: drop {', '.join(given)} "
                              f"(or drop --{mode} to sweep a grid)")
     check_workload_flags()
-    for name, low in (("warmup_steps", 0), ("timed_steps", 1), ("cpu_devices", 0), ("threads", 0), ("timeout_s", 1)):
+    cli.refuse_earlier_results("--out_dir", FLAGS.out_dir, ("results.csv", "results.json", "results.md",
+                                                            "worker_logs.txt"))
+    for name, low in (("warmup_steps", 0), ("timed_steps", 1), ("repeats", 1), ("cpu_devices", 0), ("threads", 0),
+                      ("timeout_s", 1)):
         if FLAGS[name].value < low:
             raise UsageError(f"--{name}={FLAGS[name].value} must be >= {low}")
     s = {
@@ -112,7 +115,7 @@ def _ints(name):
         return [int(v) for v in FLAGS[name].value]
     except ValueError:
         raise UsageError(f"--{name}={','.join(FLAGS[name].value)} must be comma-separated integers, "
-                         "e.g. --devices=1,2,4") from None
+                         f"e.g. --{name}={'1,2,4' if name == 'devices' else '64,128'}") from None
 
 
 def _fail(message: str, status: int = cli.USAGE_ERROR):

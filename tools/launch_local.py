@@ -115,6 +115,8 @@ def main(argv):
     train_args = argv[1:]   # everything after `--`
     if FLAGS.workers < 1:
         cli.fail(PROG, f"--workers={FLAGS.workers} must be >= 1")
+    if FLAGS.timeout is not None and FLAGS.timeout <= 0:
+        cli.fail(PROG, f"--timeout={FLAGS.timeout:g} must be > 0 seconds (leave it out to wait for the workers)")
     if any(a.startswith(("--worker_hosts", "--task_index")) for a in train_args):
         cli.fail(PROG, "the launcher sets --worker_hosts and --task_index itself: drop them")
     sys.exit(launch(FLAGS.workers, train_args, FLAGS.via, FLAGS.timeout))

@@ -82,6 +82,7 @@ def main(argv):
         check_workload_flags()
         if not FLAGS.device_memory_limit or FLAGS.device_memory_limit < 1:
             raise UsageError("--device_memory_limit=MiB is required, e.g. --device_memory_limit=8000")
+        cli.refuse_earlier_results("--out_dir", FLAGS.out_dir, ("max_batch.json", "max_batch.md"))
     except UsageError as e:
         cli.fail(PROG, str(e))
     devices = FLAGS.num_devices or FLAGS.cpu_devices or 1

@@ -35,7 +35,7 @@ import tempfile
 from absl import flags
 
 from tf_multigpu import cli, malloc
-from tf_multigpu.config.workload_flags import define_workload_flags
+from tf_multigpu.config.workload_flags import check_workload_flags, define_workload_flags
 from tf_multigpu.errors import UsageError
 
 PROG = "memory_table"
@@ -161,6 +161,33 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_flags():
+    """What the flags decide, before any run (UsageError, one line): a value each run would
+    refuse in its own process came back as that process's failure, exit 1."""
+    check_workload_flags()
+    for name, low in (("train_steps", 1), ("run_timeout", 1)):
+        if FLAGS[name].value < low:
+            raise UsageError(f"--{name}={FLAGS[name].value} must be >= {low}")
+    if not FLAGS.configs:
+        raise UsageError(f"--configs is empty: choose from {', '.join(KEYS)}")
+    if FLAGS.gpus and not cli.nvidia_device_present():   # without starting TensorFlow
+        raise UsageError("--gpus: this machine has no NVIDIA GPU; drop --gpus to measure logical CPU devices")
+    if FLAGS.out:
+        if os.path.isdir(FLAGS.out):
+            raise UsageError(f"--out={FLAGS.out} is a directory: give a file name, e.g. --out=results/memory.md")
+        ancestor = os.path.dirname(os.path.abspath(FLAGS.out))
+        while not os.path.exists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if not os.path.isdir(ancestor):
+            raise UsageError(f"--out={FLAGS.out} is under a file ({ancestor}): give a path in a directory")
+        cli.refuse_earlier_results("--out", os.path.dirname(os.path.abspath(FLAGS.out)),
+                                   (os.path.basename(FLAGS.out), os.path.basename(_json_path(FLAGS.out))))
+
+
+def _json_path(out: str) -> str:
+    return os.path.splitext(out)[0] + ".json"
+
+
 def main(argv):
     if len(argv) > 1:
         cli.fail(PROG, f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
@@ -169,6 +196,7 @@ def main(argv):
         cli.fail(PROG, f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(KEYS)}")
     try:
         malloc.check_value(FLAGS.malloc)
+        check_flags()
     except UsageError as e:
         cli.fail(PROG, str(e))
     chosen = [c for c in CONFIGS if c[0].replace(" ", "_") in FLAGS.configs]
@@ -185,7 +213,7 @@ def main(argv):
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
         with open(FLAGS.out, "w") as f:
             f.write(table)
-        with open(os.path.splitext(FLAGS.out)[0] + ".json", "w") as f:
+        with open(_json_path(FLAGS.out), "w") as f:
             json.dump(rows, f, indent=1)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -65,9 +64,7 @@ def run_convergence(s: dict) -> list[str]:
     bar = keras.utils.Progbar(len(configs), unit_name="config", stateful_metrics=["test_accuracy"])
     curves = []
     for i, (strategy, n) in enumerate(configs):
-        run_dir = os.path.join(s["out_dir"], "runs", f"{strategy}{n}")
-        if os.path.exists(RunPaths(run_dir).config):
-            shutil.rmtree(run_dir)   # a leftover run of ours: training would resume it instead
+        run_dir = os.path.join(s["out_dir"], "runs", f"{strategy}{n}")   # new: tools/convergence.py refuses old runs
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
         done = subprocess.run(train_command(strategy, n, run_dir, s), cwd=REPO, capture_output=True, text=True,
                               timeout=s["timeout_s"], env=env)
