@@ -3,7 +3,7 @@
     python -m tools.benchmark --smoke --out_dir=runs/bench_smoke          # CI-sized, about 1 min
     python -m tools.benchmark --paper --cpu_devices=4 --out_dir=runs/paper  # the paper's 5 configs
     python -m tools.benchmark --paper --image_size=112 --cpu_devices=4 --out_dir=runs/paper112
-    python -m tools.benchmark --models=small_convnet --image_size=64 --devices=1,2,4 \
+    python -m tools.benchmark --models=small_convnet --image_size=64 --devices=1,2,4 \\
         --batch_sizes=64,128,256 --strategies=single,data --out_dir=runs/peers
 
 Every configuration runs in a fresh process (tools/bench/worker.py) on synthetic data (or

@@ -1,6 +1,6 @@
 """The largest global batch that fits per strategy on the given devices (RQ5).
 
-    python -m tools.max_batch --model=alexnet --dataset=synthetic --device_memory_limit=8000 \
+    python -m tools.max_batch --model=alexnet --dataset=synthetic --device_memory_limit=8000 \\
         --strategies=single,data,model,hybrid --num_devices=4 --out_dir=results/max_batch
 
 Each probe is a fresh `tf-multigpu-train --steps=1 --noexport` run with the given

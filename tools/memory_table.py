@@ -1,6 +1,6 @@
 """RQ5's memory table: what every strategy really uses, against what the run estimates.
 
-    python -m tools.memory_table --model=alexnet --dataset=synthetic \
+    python -m tools.memory_table --model=alexnet --dataset=synthetic \\
         --image_size=224 --batch_size=64 --train_steps=3 --out=results/memory_table.md
 
 Each configuration is a fresh `python -m tf_multigpu.train ... --noexport` process on logical
