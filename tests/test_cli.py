@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 from tests.helpers import exit_before_tensorflow, serve_digits
-from tests.launcher import run_module
+from tests.launcher import run_code, run_module
 from tf_multigpu.config import Config
 
 USAGE_ERROR = 2
@@ -139,15 +139,22 @@ def test_cuinit_failing_with_an_nvidia_device_is_shown(monkeypatch):
     assert cli._shown("E0000 00:00:1.0 1 cuda_platform.cc:52] failed call to cuInit: INTERNAL\n", 2, True)
 
 
-def test_an_unexpected_error_before_training_is_raised_as_itself(monkeypatch):
-    """Not as an UnboundLocalError of an exception class imported later in main's try block."""
-    from tf_multigpu import train
+_BROKEN_BEFORE_TRAINING = """
+from tf_multigpu import train
+def broken():
+    raise RuntimeError("a broken install")
+train.run_flags.config_from_flags = broken
+train.main(["tf-multigpu-train"])
+"""
 
-    def broken():
-        raise RuntimeError("a broken install")
-    monkeypatch.setattr(train.run_flags, "config_from_flags", broken)
-    with pytest.raises(RuntimeError, match="a broken install"):
-        train.main(["tf-multigpu-train"])
+
+def test_an_unexpected_error_before_training_is_raised_as_itself():
+    """Not as an UnboundLocalError of an exception class imported later in main's try block.
+    In its own process: the training flags must not be defined in the test process (tools'
+    modules loaded there define some of the same names)."""
+    done = run_code(_BROKEN_BEFORE_TRAINING, timeout=120)
+    assert done.returncode == 1 and done.stderr.rstrip().endswith("RuntimeError: a broken install"), done.stderr
+    assert "UnboundLocalError" not in done.stderr and "During handling" not in done.stderr
 
 
 def _clean_env():

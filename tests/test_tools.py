@@ -12,6 +12,7 @@ import pytest
 from absl import flags
 
 from tests.conftest import REPO
+from tf_multigpu import cli
 from tf_multigpu.config.workload_flags import WORKLOAD_FLAGS, check_workload_flags, define_workload_flags
 from tf_multigpu.errors import UsageError
 
@@ -82,8 +83,9 @@ def _bad_value_cases(root):
     """(module, args, the one line's needle) for values each tool must refuse in one line."""
     earlier = os.path.join(root, "earlier")
     os.makedirs(earlier)
-    for name in ("results.csv", "plan.md"):
+    for name in ("results.csv", "plan.md", "max_batch.json", "table.md"):
         open(os.path.join(earlier, name), "w").close()
+    os.makedirs(os.path.join(earlier, "runs"))
     a_file = os.path.join(root, "a_file")
     open(a_file, "w").close()
     profile = os.path.join(root, "negative.json")
@@ -102,7 +104,12 @@ def _bad_value_cases(root):
         ("tools.benchmark", ["--smoke", f"--out_dir={a_file}"], "is a file: give a directory"),
         ("tools.memory_table", [f"--out={earlier}"], "is a directory: give a file name"),
         ("tools.memory_table", ["--train_steps=0"], "--train_steps=0 must be >= 1"),
-        ("tools.memory_table", ["--gpus"], "has no NVIDIA GPU"),
+        ("tools.memory_table", [f"--out={earlier}/table.md"], "table.md hold an earlier run's table"),
+        ("tools.max_batch", ["--device_memory_limit=100", f"--out_dir={earlier}"],
+         "holds an earlier run's results (max_batch.json)"),
+        ("tools.convergence", [f"--out_dir={earlier}"], "holds an earlier run's results (runs)"),
+        ("tools.convergence", [f"--out_dir={root}/new", "--configs=data:2,data:2"], "lists 'data:2' twice"),
+        *([] if cli.nvidia_device_present() else [("tools.memory_table", ["--gpus"], "has no NVIDIA GPU")]),
         ("tools.launch_local", ["--timeout=-3", "--", "--steps=1"], "--timeout=-3 must be > 0 seconds"),
         ("tools.convergence", [f"--out_dir={root}/new", "--batch_size=30", "--configs=single:1,data:4"],
          "--batch_size=30 does not divide by the 4 replicas of data:4"),
@@ -122,4 +129,4 @@ def test_bad_values_are_one_line_exit_2_and_keep_earlier_results(tmp_path):
         lines = [line for line in err.splitlines() if ": error: " in line]
         assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], (module, args, err[-1500:])
         assert err.rstrip().endswith(lines[0]), (module, args, err[-1500:])
-    assert sorted(os.listdir(tmp_path / "earlier")) == ["plan.md", "results.csv"]
+    assert sorted(os.listdir(tmp_path / "earlier")) == ["max_batch.json", "plan.md", "results.csv", "runs", "table.md"]

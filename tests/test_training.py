@@ -65,6 +65,8 @@ def test_a_finished_run_run_again_keeps_its_training_measurements(cfg, devices):
         assert again[key] == first[key] is not None, key
     assert json.load(open(os.path.join(cfg.run_dir, "summary.json")))["loss"] == first["loss"]
     assert again["test_accuracy"] == first["test_accuracy"]   # evaluated again, on the same weights
+    other = train(dataclasses.replace(cfg, strategy="single"), devices[:1])   # others measured nothing of its own
+    assert other["strategy"] == "single" and other["loss"] is None and other["examples_per_sec"] is None
 
 
 def test_checkpoint_from_data_parallel_resumes_on_one_device(cfg, tmp_path, devices, capsys):
@@ -140,12 +142,15 @@ def test_a_damaged_checkpoint_state_resumes_from_the_newest_checkpoint_on_disk(c
     assert (open(state).read() if os.path.exists(state) else None) == state_before
     # The state file names the checkpoints on disk again, even where the run saves nothing
     # (an export then names its checkpoint), so the manager deletes them in turn as it saves.
+    caplog.clear()
     train(dataclasses.replace(cfg, steps=resumed_at), devices[:2])
+    assert f"resuming from ckpt-{resumed_at}" in caplog.text
     assert tf.train.latest_checkpoint(os.path.join(cfg.run_dir, "checkpoints")).endswith(f"ckpt-{resumed_at}")
     capsys.readouterr()
+    caplog.clear()
     train(dataclasses.replace(cfg, steps=12), devices[:2])
     assert f"steps {resumed_at}..12" in capsys.readouterr().out
-    assert "resuming from ckpt-" in caplog.text
+    assert "resuming from" not in caplog.text   # the state file names its checkpoint again
     after = _ckpt_files(cfg.run_dir)
     assert all(after.get(name) == data for name, data in kept.items() if name.startswith("ckpt-4."))
     state = tf.train.get_checkpoint_state(os.path.join(cfg.run_dir, "checkpoints"))

@@ -344,7 +344,6 @@ def strided_one_pool_convnet(input_shape, num_classes, **_):
     return keras.Model(inputs, L.Dense(num_classes, name="logits")(x))
 
 
-
 class _Scale(keras.layers.Layer):
     """A user's layer whose __init__ takes no **kwargs: Keras' config of it holds 'trainable' and
     'dtype' beside its own argument, which its __init__ refuses."""
@@ -362,5 +361,15 @@ def unconfigurable_layer_convnet(input_shape, num_classes, **_):
     from its config to place it, cannot make _Scale again."""
     images = keras.Input(input_shape)
     x = _Scale(2.0)(keras.layers.Conv2D(8, 3, activation="relu")(images))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(images, keras.layers.Dense(num_classes)(x))
+
+
+def dilated_depthwise_convnet(input_shape, num_classes, **_):
+    """A dilated depthwise convolution after a Conv2D: on channels the Conv2D's filter split
+    leaves split, the split-aware depthwise layer refuses the dilation (its own message)."""
+    images = keras.Input(input_shape)
+    x = keras.layers.Conv2D(8, 3, padding="same", name="conv")(images)
+    x = keras.layers.DepthwiseConv2D(3, dilation_rate=2, padding="same", name="dilated")(x)
     x = keras.layers.GlobalAveragePooling2D()(x)
     return keras.Model(images, keras.layers.Dense(num_classes)(x))

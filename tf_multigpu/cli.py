@@ -18,6 +18,7 @@ its log level when it is imported.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
 import sys
@@ -166,7 +167,10 @@ def _shown(line: str, level: int, ours: bool) -> bool:
 
 
 def nvidia_device_present() -> bool:
-    return os.path.exists("/dev/nvidia0") or os.path.exists("/proc/driver/nvidia")
+    """Whether this machine shows an NVIDIA GPU, without starting TensorFlow: a device node
+    (any /dev/nvidiaN: a container may expose only some), the driver's /proc entry, or WSL2's
+    GPU paravirtualisation device (/dev/dxg)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/dxg"))
 
 
 @contextlib.contextmanager

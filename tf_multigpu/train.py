@@ -64,8 +64,10 @@ def main(argv):
     except Preempted as e:
         _fail(str(e), e.exit_code)
     except Exception as e:  # noqa: BLE001  a peer lost mid-collective: one line, not a trace
+        if not cluster:   # (before importing TensorFlow: the error may be that it cannot be imported)
+            raise
         import tensorflow as tf
-        if not (cluster and isinstance(e, tf.errors.OpError)):
+        if not isinstance(e, tf.errors.OpError):
             raise
         _fail(clusters.describe_peer_failure(e), PEER_LOST)
     print(json.dumps(summary, sort_keys=True), flush=True)

@@ -180,8 +180,10 @@ def check_flags():
             ancestor = os.path.dirname(ancestor)
         if not os.path.isdir(ancestor):
             raise UsageError(f"--out={FLAGS.out} is under a file ({ancestor}): give a path in a directory")
-        cli.refuse_earlier_results("--out", os.path.dirname(os.path.abspath(FLAGS.out)),
-                                   (os.path.basename(FLAGS.out), os.path.basename(_json_path(FLAGS.out))))
+        earlier = [p for p in (FLAGS.out, _json_path(FLAGS.out)) if os.path.exists(p)]
+        if earlier:
+            raise UsageError(f"--out={FLAGS.out}: {' and '.join(earlier)} hold an earlier run's table: give a new "
+                             "--out, or move them out first")
 
 
 def _json_path(out: str) -> str:

@@ -26,13 +26,15 @@ def load_tfds_source(name: str, data_dir=None, image_size: int = 0, augment: str
 
     try:
         builder = tfds.builder(name, data_dir=data_dir)
-    except tfds.core.registered.DatasetNotFoundError as e:   # its message: every name, then a near one
+    except tfds.core.DatasetNotFoundError as e:   # its message: every name, then a near one
         near = re.search(r"Did you mean: \S+ -> (\S+)", str(e))
         hint = f"did you mean tfds:{near.group(1)}? " if near else ""
         raise UsageError(f"--dataset=tfds:{name}: TFDS has no such data set; {hint}see `tfds.list_builders()` "
                          "for the names") from None
     except Exception as e:  # noqa: BLE001  a version it does not have (AssertionError), an unreadable dataset_info...
-        raise UsageError(f"--dataset=tfds:{name}: TFDS cannot load it ({error_reason(e)})") from None
+        raise UsageError(f"--dataset=tfds:{name}: TFDS cannot load it ({error_reason(e)}): check the name and "
+                         "version (tfds:NAME or tfds:NAME:VERSION) and --data_dir, or prepare it with "
+                         "`tfds build`") from None
     features = builder.info.features
     if "image" not in features or "label" not in features:
         raise UsageError(f"--dataset=tfds:{name} is not an image classification set "

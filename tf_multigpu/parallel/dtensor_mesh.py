@@ -288,7 +288,12 @@ class DTensorParallelism:
                 return layer
             try:
                 return convert_layer(layer)
+            except UsageError:   # ours, with its own fix (the plan's class, a bare op on float64 logits)
+                raise
             except (TypeError, ValueError, NotImplementedError) as e:   # a user's layer without a usable config
+                ours = _usage_error_within(e)
+                if ours:   # a split layer's own refusal (its geometry), which Keras' from_config wraps in a TypeError
+                    raise ours from None
                 raise UsageError(f"layer {layer.name} ({type(layer).__name__}) cannot be made again from its "
                                  f"get_config() ({error_reason(e)}), which model parallelism does to place it: "
                                  "pass its __init__'s **kwargs on to super().__init__ and give it a get_config() "
@@ -361,6 +366,17 @@ class DTensorParallelism:
             return {k: dtensor.unpack(v)[0] for k, v in totals.items()}
 
         return run
+
+
+def _usage_error_within(e: BaseException) -> UsageError | None:
+    """The UsageError an exception was raised while handling, if any: Keras' `from_config`
+    re-raises whatever a layer's constructor raised as "TypeError: Error when deserializing
+    class ..." (keras/src/ops/operation.py), with the original as its context only."""
+    while e is not None:
+        if isinstance(e, UsageError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _unnumbered(name: str) -> str:

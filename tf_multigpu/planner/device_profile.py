@@ -146,11 +146,11 @@ def load(name_or_path: str) -> DeviceProfile:
                          f"{os.path.join(PROFILE_DIR, 'titan_pcie3.json')} for the fields") from None
     for field in _POSITIVE:   # the step's time divides by them
         value = getattr(profile, field)
-        if not isinstance(value, (int, float)) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise UsageError(f"--profile={name_or_path}: {field}={value!r} must be a number > 0: fix the profile")
     for field in _NOT_NEGATIVE:
         value = getattr(profile, field)
-        if not isinstance(value, (int, float)) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise UsageError(f"--profile={name_or_path}: {field}={value!r} must be a number >= 0: fix the profile")
     for field, allowed in (("topology", comm.TOPOLOGIES), ("all_reduce", comm.ALGORITHMS),
                            ("activation_gather", comm.ALGORITHMS),

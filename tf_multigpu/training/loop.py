@@ -94,8 +94,10 @@ def _own_line(shows_progress: bool):
 @contextlib.contextmanager
 def start_writing(run: Run):
     """Everything is checked and any earlier state restored: from here on the run writes.
-    Writes config.json and prints the banner (the chief: one per run, not one per worker);
-    yields the TensorBoard writer (a no-op one on the other workers)."""
+    Writes config.json and prints the banner (the chief: one per run, not one per worker),
+    and, after a restore from a checkpoint the state file did not name, rewrites
+    checkpoints/checkpoint (`WorkerRole.name_checkpoints`); yields the TensorBoard writer (a
+    no-op one on the other workers)."""
     try:
         run.role.write_config(run.cfg, run.paths)
     except (OSError, tf.errors.OpError) as e:   # a read-only or full file system
@@ -158,13 +160,17 @@ _TRAINING_MEASUREMENTS = ("loss", "accuracy", "examples_per_sec", "step_time_s",
 def _measured_earlier(run: Run, summary: dict) -> dict:
     """The earlier summary's training measurements, where this run trained no step and so has
     none (a command run again on a finished run): they were rewritten as null, the
-    profiled run's communication dropped."""
+    profiled run's communication dropped. Only from a summary of the same step, strategy and
+    devices: a run stopped after its last checkpoint but before its summary, or resumed on
+    other devices, measured something else."""
     if run.start_step < run.total_steps or not run.paths:
         return {}
     try:
         with open(run.paths.summary) as f:
             earlier = json.load(f)
     except (OSError, ValueError):   # none, or unreadable: nothing to keep
+        return {}
+    if not isinstance(earlier, dict) or any(earlier.get(k) != summary[k] for k in ("step", "strategy", "devices")):
         return {}
     return {k: earlier[k] for k in _TRAINING_MEASUREMENTS if summary.get(k) is None and earlier.get(k) is not None}
 

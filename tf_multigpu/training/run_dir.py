@@ -1,8 +1,9 @@
 """What a run does with its directory: refuse an unusable one (`check_previous_run`, in config:
 the entry point applies it before TensorFlow starts), resume from what an earlier run
-left, hold the directory while training it, write JSON atomically (through config's
-`write_atomically`). Where each file lives is `config.RunPaths`'s alone (export reads the same
-layout without importing training).
+left (rewriting the checkpoint state file once the run writes, where the restore had to
+fall back to the newest checkpoint on disk), hold the directory while training it, write JSON
+atomically (through config's `write_atomically`). Where each file lives is
+`config.RunPaths`'s alone (export reads the same layout without importing training).
 
 Nothing here deletes or overwrites an earlier run's results before the new run is known to
 be valid: a config that computes something else, or an unreadable checkpoint, is refused.

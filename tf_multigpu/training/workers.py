@@ -7,7 +7,9 @@ SPMD operation in which each client writes its own shards). So:
 - checkpoints: the chief saves into --run_dir/checkpoints. Under MultiWorkerMirroredStrategy
   the other workers save the same values into a private temporary directory, deleted at the
   end, as TensorFlow's multi-worker guide prescribes. Under DTensor every client saves to
-  the same --run_dir/checkpoints prefix (a shared filesystem), each writing its shards.
+  the same --run_dir/checkpoints prefix (a shared filesystem), each writing its shards, and
+  so each also rewrites the state file after a fallback restore (`name_checkpoints`: the
+  same text from every client).
 - config.json, TensorBoard summaries, summary.json and the export: the chief only.
 Every worker restores from --run_dir/checkpoints, which must be on a shared filesystem.
 """
@@ -34,7 +36,8 @@ class WorkerRole:
         self._unnamed = None   # (checkpoint, paths, prefixes) for name_checkpoints
 
     def checkpoint_manager(self, checkpoint: tf.train.Checkpoint, paths: RunPaths) -> tf.train.CheckpointManager:
-        """Restores the run's latest checkpoint; returns the manager this worker saves with."""
+        """Restores the run's latest checkpoint; returns the manager this worker saves with
+        (replaced by `name_checkpoints` once the run starts writing, after a fallback restore)."""
         manager, unnamed = run_dir.restore_latest(checkpoint, paths)
         if self.is_chief or self._shared_checkpoints:
             self._unnamed = (checkpoint, paths, unnamed) if unnamed else None

@@ -35,6 +35,8 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
         if (strategy == "single") != (n == 1) or (strategy == "hybrid" and (n < 4 or n % 2)):
             raise UsageError(f"--configs entry {part!r} does not exist: single runs on 1 device, data/model "
                              "on 2 or more, hybrid on an even number >= 4")
+        if (strategy, n) in out:   # its run directory would be the first's, which it would resume
+            raise UsageError(f"--configs lists {part!r} twice: give each configuration once")
         out.append((strategy, n))
     if not out:
         raise UsageError("--configs is empty: e.g. --configs=single:1,data:2")
