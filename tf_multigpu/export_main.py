@@ -14,7 +14,6 @@ from absl import flags
 
 from tf_multigpu import cli
 from tf_multigpu.config import check_exportable_run
-from tf_multigpu.errors import UsageError
 
 PROG = "tf-multigpu-export"
 
@@ -33,13 +32,10 @@ def main(argv):
         _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
     if not FLAGS.run_dir:
         _fail("--run_dir is required: give the --run_dir of a training run")
-    try:
-        check_exportable_run(FLAGS.run_dir, FLAGS.checkpoint, FLAGS.export_dir)   # what the files decide, before TF
-        cli.start_tensorflow()
-        from tf_multigpu.export import export_from_checkpoint  # imports TensorFlow
-        result = export_from_checkpoint(FLAGS.run_dir, FLAGS.checkpoint, FLAGS.export_dir, FLAGS.evaluate)
-    except UsageError as e:
-        _fail(str(e))
+    check_exportable_run(FLAGS.run_dir, FLAGS.checkpoint, FLAGS.export_dir)   # what the files decide, before TF
+    cli.start_tensorflow()
+    from tf_multigpu.export import export_from_checkpoint  # imports TensorFlow
+    result = export_from_checkpoint(FLAGS.run_dir, FLAGS.checkpoint, FLAGS.export_dir, FLAGS.evaluate)
     print(json.dumps({k: result[k] for k in ("export_dir", "checkpoint", "step", "metrics")},
                      sort_keys=True), flush=True)
 

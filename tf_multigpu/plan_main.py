@@ -46,10 +46,7 @@ _OWN_FLAGS = _WORKLOAD + ("profile", "all_reduce", "num_devices", "cpu_devices",
 def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
-    try:
-        table = _plan()
-    except UsageError as e:
-        _fail(str(e))
+    table = _plan()
     from tf_multigpu.planner import published, to_markdown
     text = to_markdown(table)
     if table.profile.name in published.TABLES:

@@ -40,13 +40,10 @@ LOG_EVERY = 10
 def main(argv):
     if len(argv) > 1:
         cli.fail(PROG, f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
-    try:
-        check_workload_flags()
-        for name in ("warmup", "steps", "repeats"):
-            if FLAGS[name].value < 1:
-                raise UsageError(f"--{name}={FLAGS[name].value} must be >= 1")
-    except UsageError as e:
-        cli.fail(PROG, str(e))
+    check_workload_flags()
+    for name in ("warmup", "steps", "repeats"):
+        if FLAGS[name].value < 1:
+            raise UsageError(f"--{name}={FLAGS[name].value} must be >= 1")
     logging.set_verbosity(logging.ERROR)   # the timed loops' progress lines would bury the table
     cli.start_tensorflow()
     from tf_multigpu.parallel import configure_devices

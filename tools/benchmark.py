@@ -58,12 +58,9 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
-    try:
-        settings = settings_from_flags()
-        from tools.bench.sweep import run_sweep
-        paths = run_sweep(settings)
-    except UsageError as e:
-        _fail(str(e))
+    settings = settings_from_flags()
+    from tools.bench.sweep import run_sweep
+    paths = run_sweep(settings)
     print("\n".join(paths))
 
 

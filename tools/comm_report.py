@@ -11,7 +11,6 @@ from absl import flags
 
 from tf_multigpu import cli
 from tf_multigpu.config import RunPaths
-from tf_multigpu.errors import UsageError
 
 PROG = "comm_report"
 
@@ -32,7 +31,7 @@ def main(argv):
     from tf_multigpu.profiling import report
     try:
         result = report.rebuild(FLAGS.run_dir)
-    except (FileNotFoundError, UsageError) as e:
+    except FileNotFoundError as e:
         cli.fail(PROG, str(e))
     print(report.to_markdown(result), end="")
 

@@ -37,27 +37,24 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
-    try:
-        if not FLAGS.out_dir:
-            raise UsageError("--out_dir is required: give a directory for the curves and runs")
-        check_workload_flags()
-        cli.refuse_earlier_results("--out_dir", FLAGS.out_dir, ("convergence.csv", "convergence.md",
-                                                                "convergence.png", "runs"))
-        for name, low in (("steps", 1), ("eval_every", 1), ("cpu_devices", 0), ("timeout_s", 1)):
-            if FLAGS[name].value < low:
-                raise UsageError(f"--{name}={FLAGS[name].value} must be >= {low}")
-        from tools.bench.convergence import parse_configs, run_convergence
-        for strategy, n in parse_configs(FLAGS.configs):   # bad --configs: one line before anything trains
-            replicas = replicas_for(strategy, n)
-            if FLAGS.batch_size % replicas:
-                raise UsageError(f"--batch_size={FLAGS.batch_size} does not divide by the {replicas} replicas of "
-                                 f"{strategy}:{n}: use a multiple of {replicas}")
-        cli.start_tensorflow()   # quietly, for the progress bar and the curve reader (runs train apart)
-        paths = run_convergence({name: FLAGS[name].value for name in (
-            "out_dir", "configs", "dataset", "model", "image_size", "batch_size", "steps", "eval_every",
-            "learning_rate", "seed", "cpu_devices", "timeout_s")})
-    except UsageError as e:
-        _fail(str(e))
+    if not FLAGS.out_dir:
+        raise UsageError("--out_dir is required: give a directory for the curves and runs")
+    check_workload_flags()
+    cli.refuse_earlier_results("--out_dir", FLAGS.out_dir, ("convergence.csv", "convergence.md",
+                                                            "convergence.png", "runs"))
+    for name, low in (("steps", 1), ("eval_every", 1), ("cpu_devices", 0), ("timeout_s", 1)):
+        if FLAGS[name].value < low:
+            raise UsageError(f"--{name}={FLAGS[name].value} must be >= {low}")
+    from tools.bench.convergence import parse_configs, run_convergence
+    for strategy, n in parse_configs(FLAGS.configs):   # bad --configs: one line before anything trains
+        replicas = replicas_for(strategy, n)
+        if FLAGS.batch_size % replicas:
+            raise UsageError(f"--batch_size={FLAGS.batch_size} does not divide by the {replicas} replicas of "
+                             f"{strategy}:{n}: use a multiple of {replicas}")
+    cli.start_tensorflow()   # quietly, for the progress bar and the curve reader (runs train apart)
+    paths = run_convergence({name: FLAGS[name].value for name in (
+        "out_dir", "configs", "dataset", "model", "image_size", "batch_size", "steps", "eval_every",
+        "learning_rate", "seed", "cpu_devices", "timeout_s")})
     print("\n".join(paths))
 
 

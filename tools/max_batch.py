@@ -78,13 +78,10 @@ def largest_batch(strategy: str, replicas: int) -> int:
 def main(argv):
     if len(argv) > 1:
         cli.fail(PROG, f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
-    try:
-        check_workload_flags()
-        if not FLAGS.device_memory_limit or FLAGS.device_memory_limit < 1:
-            raise UsageError("--device_memory_limit=MiB is required, e.g. --device_memory_limit=8000")
-        cli.refuse_earlier_results("--out_dir", FLAGS.out_dir, ("max_batch.json", "max_batch.md"))
-    except UsageError as e:
-        cli.fail(PROG, str(e))
+    check_workload_flags()
+    if not FLAGS.device_memory_limit or FLAGS.device_memory_limit < 1:
+        raise UsageError("--device_memory_limit=MiB is required, e.g. --device_memory_limit=8000")
+    cli.refuse_earlier_results("--out_dir", FLAGS.out_dir, ("max_batch.json", "max_batch.md"))
     devices = FLAGS.num_devices or FLAGS.cpu_devices or 1
     rows = []
     for strategy in FLAGS.strategies:

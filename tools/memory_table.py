@@ -196,11 +196,8 @@ def main(argv):
     unknown = [c for c in FLAGS.configs if c not in KEYS]
     if unknown:
         cli.fail(PROG, f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(KEYS)}")
-    try:
-        malloc.check_value(FLAGS.malloc)
-        check_flags()
-    except UsageError as e:
-        cli.fail(PROG, str(e))
+    malloc.check_value(FLAGS.malloc)
+    check_flags()
     chosen = [c for c in CONFIGS if c[0].replace(" ", "_") in FLAGS.configs]
     rows = []
     for label, strategy, devices, mesh, layout, extra in chosen:

@@ -288,12 +288,10 @@ class DTensorParallelism:
                 return layer
             try:
                 return convert_layer(layer)
-            except UsageError:   # ours, with its own fix (the plan's class, a bare op on float64 logits)
-                raise
             except (TypeError, ValueError, NotImplementedError) as e:   # a user's layer without a usable config
                 ours = _usage_error_within(e)
-                if ours:   # a split layer's own refusal (its geometry), which Keras' from_config wraps in a TypeError
-                    raise ours from None
+                if ours:   # ours, with its own fix (a split layer's geometry, wrapped by Keras' from_config in a
+                    raise ours from None   # TypeError; the plan's class; a bare op on float64 logits)
                 raise UsageError(f"layer {layer.name} ({type(layer).__name__}) cannot be made again from its "
                                  f"get_config() ({error_reason(e)}), which model parallelism does to place it: "
                                  "pass its __init__'s **kwargs on to super().__init__ and give it a get_config() "
